@@ -1,0 +1,105 @@
+"""Configurations: every way to split an op's iteration space over the devices.
+
+A configuration of an op with dims ``(d_1..d_n)`` is a tuple of split factors ``(c_1..c_n)``; the op
+then runs on ``prod(c)`` devices, each holding a ``d_i / c_i`` slice of every dim.
+
+Two spaces, one function:
+
+* ``pase`` (PaSE's ``GetConfigs``): each ``c_i`` is a divisor of ``d_i`` with ``d_i / c_i >= cutoff``
+  and ``prod(c) <= p``. Any divisor, so 3-, 5- or 7-way splits appear.
+* ``mesh`` (the default for the analytic model): each ``c_i`` divides ``d_i`` and ``prod(c)`` divides
+  ``p``, so every configuration maps onto a sub-mesh of the devices and can be run with DTensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from shardplan.ir.graph import Op
+
+
+def divisors(n: int) -> list[int]:
+    """Sorted divisors of a positive integer."""
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+@dataclass(frozen=True)
+class ConfigSpace:
+    """Which split factors an op may take."""
+
+    devices: int
+    cutoff: int = 1
+    """Smallest slice a split dim may leave on a device (PaSE: 4 for CNNs, 1 otherwise)."""
+    product: Literal["at_most", "divides"] = "divides"
+    """``at_most``: prod(c) <= devices (PaSE). ``divides``: prod(c) divides devices (mesh-realisable)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise ValueError(f"devices must be a positive integer, got {self.devices!r}")
+        if self.cutoff < 1:
+            raise ValueError(f"cutoff must be at least 1, got {self.cutoff!r}")
+
+
+def _contiguous(sizes: tuple[int, ...], cfg: tuple[int, ...]) -> bool:
+    """PaSE's reshape rule: leading dims fully split, then one partial split, then nothing."""
+    it = iter(zip(sizes, cfg))
+    for d, c in it:
+        if d != c:
+            break
+    return all(c == 1 for _, c in it)
+
+
+def enumerate_configs(op: Op, space: ConfigSpace, frozen: frozenset[str] = frozenset()) -> np.ndarray:
+    """All configurations of ``op`` as an int64 array of shape (K, len(op.dims)).
+
+    ``frozen`` names dims that must stay unsplit (on top of dims marked ``splittable=False``).
+    Rows are in lexicographic order of the factors; the all-ones row (replicated) is always present.
+    """
+    p = space.devices
+    choices = []
+    for d in op.dims:
+        if not d.splittable or d.name in frozen:
+            choices.append([1])
+            continue
+        ok = [e for e in divisors(d.size) if d.size / e >= space.cutoff and e <= p]
+        if space.product == "divides":
+            ok = [e for e in ok if p % e == 0]
+        choices.append(ok or [1])
+    rows = []
+    for cfg in itertools.product(*choices):
+        prod = 1
+        for c in cfg:
+            prod *= c
+        if prod > p or (space.product == "divides" and p % prod != 0):
+            continue
+        rows.append(cfg)
+    if op.kind == "reshape":
+        sizes = tuple(d.size for d in op.dims)
+        rows = [r for r in rows if _contiguous(sizes, r)]
+    return np.array(rows, dtype=np.int64).reshape(len(rows), len(op.dims))
+
+
+def operand_layouts(op: Op, configs: np.ndarray, axes: tuple[tuple[str, ...], ...]) -> np.ndarray:
+    """Split factor of every tensor axis under every configuration: shape (K, rank)."""
+    index = {name: i for i, name in enumerate(op.dim_names)}
+    cols = []
+    for dims in axes:
+        col = np.ones(len(configs), dtype=np.int64)
+        for d in dims:
+            col = col * configs[:, index[d]]
+        cols.append(col)
+    if not cols:
+        return np.ones((len(configs), 0), dtype=np.int64)
+    return np.stack(cols, axis=1)
