@@ -81,18 +81,19 @@ class CostTables:
     def num_configs(self) -> list[int]:
         return [len(c) for c in self.configs]
 
+    def edge_cost_of(self, choice: list[int] | np.ndarray) -> float:
+        """Redistribution cost of a full assignment: the sum of its edge-table entries."""
+        return sum(float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]]) for e in self.edges)
+
     def cost_of(self, choice: list[int] | np.ndarray) -> float:
         """Objective of a full assignment (one configuration index per op)."""
-        total = sum(float(n.total[c]) for n, c in zip(self.nodes, choice))
-        for e in self.edges:
-            total += float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]])
-        return total
+        return sum(float(n.total[c]) for n, c in zip(self.nodes, choice)) + self.edge_cost_of(choice)
 
     def breakdown(self, choice: list[int] | np.ndarray) -> dict[str, float]:
         """compute / intra-op comm / redistribution / memory of an assignment."""
         compute = sum(float(n.compute[c]) for n, c in zip(self.nodes, choice))
         comm = sum(float(n.comm[c]) for n, c in zip(self.nodes, choice))
-        redist = sum(float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]]) for e in self.edges)
+        redist = self.edge_cost_of(choice)
         memory = sum(float(n.memory[c]) for n, c in zip(self.nodes, choice))
         return {"compute": compute, "comm": comm, "redistribution": redist, "memory_bytes": memory}
 

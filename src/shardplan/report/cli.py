@@ -36,8 +36,8 @@ def _plan(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     baselines = {"data_parallel": tables.cost_of(data_parallel(tables))}
     layers = []
-    for op, c in zip(graph.ops, result.choice):
-        cfg = tables.configs[graph.op_index(op.name)][c]
+    for op, cfgs, c in zip(graph.ops, tables.configs, result.choice):
+        cfg = cfgs[c]
         layers.append({"name": op.name, "kind": op.kind,
                        "split": {d.name: int(f) for d, f in zip(op.dims, cfg) if f > 1}})
     out = {"model": graph.name, "devices": args.devices, "cost_model": model.name, "unit": model.unit,

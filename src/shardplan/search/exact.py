@@ -223,7 +223,5 @@ def exact_search(tables: CostTables, node_cost: list[np.ndarray] | None = None,
             if u in remaining:
                 scores[u] = elim.score(u)
     choice = elim.back_substitute()
-    cost = sum(float(node[v][c]) for v, c in enumerate(choice))
-    for e in tables.edges:
-        cost += float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]])
+    cost = sum(float(node[v][c]) for v, c in enumerate(choice)) + tables.edge_cost_of(choice)
     return ExactResult(tuple(choice), cost, tuple(order), elim.max_table, elim.work, time.perf_counter() - start)
