@@ -1,4 +1,4 @@
-"""CLI: JSON output and one-line errors with exit code 2."""
+"""CLI: JSON output, plan files, and one-line errors with exit code 2."""
 
 import json
 import subprocess
@@ -6,16 +6,64 @@ import sys
 
 import pytest
 
+from shardplan.plan import Plan
 from shardplan.report.cli import main
 
 
-def test_plan_json(capsys):
-    assert main(["plan", "--model", "alexnet", "--devices", "4", "--json", "-"]) == 0
-    out = json.loads(capsys.readouterr().out)
+def run_json(capsys, *args):
+    assert main(["plan", *args, "--json", "-"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_pase(capsys):
+    out = run_json(capsys, "--model", "alexnet", "--devices", "4", "--cost-model", "pase")
     for key in ("model", "devices", "cost_model", "cost", "search_seconds", "layers", "baselines"):
         assert key in out
-    assert out["cost"] == pytest.approx(148215719552, rel=1e-12)
-    assert out["cost"] <= out["baselines"]["data_parallel"]
+    assert out["cost"] == pytest.approx(148215719552, rel=1e-12)  # PaSE's reference optimum
+    assert out["optimal"] is True
+    assert all(out["cost"] <= cost for cost in out["baselines"].values())
+    assert set(out["baselines"]) == {"data_parallel", "owt"}
+
+
+def test_plan_json_analytic_default(capsys):
+    out = run_json(capsys, "--model", "transformer", "--devices", "8")
+    assert out["cost_model"] == "analytic" and out["unit"] == "seconds" and out["cluster"] == "dgx-a100"
+    assert 0 < out["cost"] < 1.0
+    assert set(out["baselines"]) == {"data_parallel", "megatron"}
+    assert all(out["cost"] <= cost * (1 + 1e-12) for cost in out["baselines"].values())
+    assert out["peak_memory_bytes"] <= out["memory_limit_bytes"]
+
+
+def test_nodes_scale_the_cluster(capsys):
+    out = run_json(capsys, "--model", "mlp", "--cluster", "dgx-h100", "--nodes", "2")
+    assert out["devices"] == 16 and out["cluster"] == "dgx-h100"
+
+
+def test_size(capsys):
+    out = run_json(capsys, "--model", "gpt", "--size", "125m", "--devices", "8", "--batch", "8")
+    assert out["model"].startswith("gpt")
+
+
+def test_plan_file_round_trip(tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "alexnet", "--devices", "4", "--json", str(path)]) == 0
+    plan = Plan.load(str(path))
+    assert plan.model == "alexnet" and plan.devices == 4 and len(plan.ops) == 14
+
+
+def test_time_limit_returns_a_plan(capsys):
+    out = run_json(capsys, "--model", "transformer", "--devices", "64", "--time-limit", "0.01")
+    assert out["optimal"] is False and "not proven optimal" in out["note"]
+    assert out["cost"] <= min(out["baselines"].values()) * (1 + 1e-12)
+
+
+def test_clusters_and_models(capsys):
+    assert main(["clusters"]) == 0
+    text = capsys.readouterr().out
+    for name in ("pase-1080ti", "pase-2080ti", "dgx-a100", "dgx-h100"):
+        assert name in text
+    assert main(["models"]) == 0
+    assert "gpt" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args,culprit", [
@@ -24,10 +72,37 @@ def test_plan_json(capsys):
     (["--model", "alexnet", "--devices", "-3"], "--devices"),
     (["--model", "alexnet", "--devices", "4", "--batch", "0"], "batch"),
     (["--model", "alexnet", "--devices", "4", "--cost-model", "magic"], "magic"),
+    (["--model", "alexnet", "--devices", "4", "--cluster", "dgx-z100"], "dgx-z100"),
+    (["--model", "alexnet", "--devices", "4", "--cluster", "missing.yaml"], "missing.yaml"),
+    (["--model", "alexnet", "--devices", "4", "--nodes", "0"], "--nodes"),
+    (["--model", "alexnet", "--devices", "64", "--cluster", "dgx-a100", "--nodes", "2"], "64 devices"),
+    (["--model", "alexnet", "--devices", "4", "--size", "7b"], "alexnet"),
+    (["--model", "gpt", "--size", "7b", "--devices", "4"], "7b"),
+    (["--model", "gpt", "--size", "1.3b", "--devices", "8", "--memory-limit", "1"], "short by"),
 ])
 def test_bad_input(args, culprit):
     proc = subprocess.run([sys.executable, "-m", "shardplan.report.cli", "plan", *args],
                           capture_output=True, text=True)
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and culprit in lines[0]
+    assert len(lines) == 1 and culprit in lines[0], lines
+
+
+@pytest.mark.parametrize("text,culprit", [
+    ("device: {peak_flops: 1e12, memory_bytes: 8e9}\nlevels: [{fanout: 4, bandwidth: 1e10}]", "memory_bandwidth"),
+    ("device: {peak_flops: 1e12, memory_bytes: 8e9, memory_bandwidth: 1e11}\nlevels: [{fanout: 4, bandwith: 1e10}]",
+     "bandwith"),
+    ("device: {peak_flops: fast, memory_bytes: 8e9, memory_bandwidth: 1e11}\nlevels: [{fanout: 4, bandwidth: 1e10}]",
+     "peak_flops"),
+    ("device: {peak_flops: 1e12, memory_bytes: 8e9, memory_bandwidth: 1e11}\nlevels: [{fanout: 2.5, bandwidth: 1e10}]",
+     "fanout"),
+    ("device: [1, 2", "not valid YAML"),
+])
+def test_bad_cluster_file(tmp_path, text, culprit):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "shardplan.report.cli", "plan", "--model", "mlp", "--devices",
+                           "4", "--cluster", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and culprit in lines[0], lines

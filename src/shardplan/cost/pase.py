@@ -28,7 +28,7 @@ import numpy as np
 
 from shardplan.cost.configs import ConfigSpace, operand_layouts
 from shardplan.cost.tables import NodeCosts
-from shardplan.ir.graph import Graph, GraphError, Op
+from shardplan.ir.graph import Graph, GraphError, Op, TensorSpec
 
 WORD_BYTES = 8  # PaSE counts words of 8 bytes
 
@@ -78,17 +78,26 @@ class PaseCostModel:
         return self.r * ((words / procs) * (2.0 * (procs - 1)))
 
     # -- edge costs ----------------------------------------------------------------------------
-    def edge_costs(self, graph: Graph, shape: tuple[int, ...], src_layouts: np.ndarray,
+    def edge_costs(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
                    dst_layouts: np.ndarray) -> np.ndarray:
         """Cost matrix (L_src, L_dst) of moving a tensor between every pair of layouts."""
-        t = np.array(shape, dtype=np.float64)
-        S = t / src_layouts[:, None, :]
-        T = t / dst_layouts[None, :, :]
-        src_procs = np.prod(src_layouts, axis=1).astype(np.float64)[:, None]
-        dst_procs = np.prod(dst_layouts, axis=1).astype(np.float64)[None, :]
-        needed = np.prod(T, axis=2)
-        inter = np.where(dst_procs > src_procs, 0.0, np.prod(np.minimum(S, T), axis=2))
-        return self.r * (np.clip(needed - inter, 0.0, None) * 2.0)
+        return self.r * (2.0 * redistribution_words(tensor.shape, src_layouts, dst_layouts))
+
+
+def redistribution_words(shape: tuple[int, ...], src_layouts: np.ndarray, dst_layouts: np.ndarray) -> np.ndarray:
+    """Elements a consumer device lacks, (L_src, L_dst): its tile minus what it already holds.
+
+    PaSE's rule: a device holds the overlap of its producer and consumer tiles only when the consumer
+    runs on no more devices than the producer; otherwise it fetches its whole tile.
+    """
+    t = np.array(shape, dtype=np.float64)
+    S = t / src_layouts[:, None, :]
+    T = t / dst_layouts[None, :, :]
+    src_procs = np.prod(src_layouts, axis=1).astype(np.float64)[:, None]
+    dst_procs = np.prod(dst_layouts, axis=1).astype(np.float64)[None, :]
+    needed = np.prod(T, axis=2)
+    inter = np.where(dst_procs > src_procs, 0.0, np.prod(np.minimum(S, T), axis=2))
+    return np.clip(needed - inter, 0.0, None)
 
 
 # -- per-kind formulas: each returns (compute, comm) arrays over configurations ------------------

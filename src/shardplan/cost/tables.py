@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from shardplan.cost.configs import ConfigSpace, enumerate_configs, operand_layouts
-from shardplan.ir.graph import Graph, GraphError, Op
+from shardplan.ir.graph import Graph, GraphError, Op, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class CostModel(Protocol):
 
     def node_costs(self, graph: Graph, op: Op, configs: np.ndarray) -> NodeCosts: ...
 
-    def edge_costs(self, graph: Graph, shape: tuple[int, ...], src_layouts: np.ndarray,
+    def edge_costs(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
                    dst_layouts: np.ndarray) -> np.ndarray: ...
 
 
@@ -134,10 +134,9 @@ def build_tables(graph: Graph, model: CostModel, devices: int,
     merged: dict[tuple[int, int], list] = {}
     for e in transfers:
         src_op, dst_op = graph.ops[e.src], graph.ops[e.dst]
-        shape = graph.tensor(e.tensor).shape
         s_uniq, s_cls = _classes(operand_layouts(src_op, configs[e.src], src_op.outputs[e.src_out].axes))
         d_uniq, d_cls = _classes(operand_layouts(dst_op, configs[e.dst], dst_op.inputs[e.dst_in].axes))
-        cost = model.edge_costs(graph, shape, s_uniq, d_uniq)
+        cost = model.edge_costs(graph, graph.tensor(e.tensor), s_uniq, d_uniq)
         merged.setdefault((e.src, e.dst), []).append((s_cls, d_cls, cost, e.tensor))
     edges = []
     for (src, dst), parts in merged.items():

@@ -1,4 +1,4 @@
-"""The ``shardplan`` command line: ``plan`` and ``models``."""
+"""The ``shardplan`` command line: ``plan``, ``models`` and ``clusters``."""
 
 from __future__ import annotations
 
@@ -7,64 +7,141 @@ import json
 import sys
 import time
 
+from shardplan.cluster import PRESETS, ClusterError, get_cluster
+from shardplan.cluster.presets import DESCRIPTIONS
+from shardplan.cost.analytic import AnalyticCostModel
 from shardplan.cost.pase import PaseCostModel
 from shardplan.cost.tables import build_tables
-from shardplan.search.baselines import data_parallel
-from shardplan.search.exact import exact_search
-from shardplan.zoo import MODELS, build_model
+from shardplan.plan import Plan
+from shardplan.search.baselines import all_baselines
+from shardplan.search.solve import GIB, PlanDoesNotFit, memory_of, solve
+from shardplan.zoo import MODELS, build_model, model_sizes
 
-COST_MODELS = {"pase": PaseCostModel}
+COST_MODELS = ("analytic", "pase")
+DEFAULT_CLUSTER = "dgx-a100"
 
 
 class UsageError(Exception):
     pass
 
 
-def _plan(args: argparse.Namespace) -> int:
-    if args.devices < 1:
-        raise UsageError(f"--devices must be a positive integer, got {args.devices}")
+def _positive(flag: str, value):
+    if value is not None and value <= 0:
+        raise UsageError(f"{flag} must be positive, got {value}")
+
+
+def _cost_model(args: argparse.Namespace):
+    """(cost model, cluster or None, devices) from the flags."""
     if args.cost_model not in COST_MODELS:
         raise UsageError(f"unknown cost model {args.cost_model!r}; available: {', '.join(COST_MODELS)}")
+    _positive("--devices", args.devices)
+    _positive("--nodes", args.nodes)
+    cluster = None
+    if args.cluster is not None or args.cost_model == "analytic" or args.nodes is not None:
+        try:
+            cluster = get_cluster(args.cluster or DEFAULT_CLUSTER, nodes=args.nodes, devices=args.devices)
+        except ClusterError as exc:
+            raise UsageError(str(exc)) from None
+    devices = args.devices
+    if devices is None:
+        if cluster is None or (args.nodes is None and args.cluster in (None, *PRESETS)):
+            raise UsageError("--devices is required (or give --nodes, or a cluster file, to use a whole cluster)")
+        devices = cluster.num_devices
+    if args.cost_model == "pase":
+        if cluster is None:
+            return PaseCostModel(), None, devices
+        return PaseCostModel.from_machine(cluster.device.peak_flops, cluster.levels[0].bandwidth), cluster, devices
+    return AnalyticCostModel(cluster), cluster, devices
+
+
+def _plan(args: argparse.Namespace) -> int:
+    _positive("--time-limit", args.time_limit)
+    _positive("--memory-limit", args.memory_limit)
+    model, cluster, devices = _cost_model(args)
     try:
-        graph = build_model(args.model, args.batch)
+        graph = build_model(args.model, args.batch, args.size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    model = COST_MODELS[args.cost_model]()
+    limit = None
+    if args.memory_limit is not None:
+        limit = args.memory_limit * GIB
+    elif cluster is not None and model.name == "analytic":
+        limit = cluster.device.memory_bytes
+    quiet = args.json == "-" or not sys.stderr.isatty()
     start = time.perf_counter()
-    tables = build_tables(graph, model, args.devices)
-    result = exact_search(tables)
+    tables = _build(graph, model, devices, quiet)
+    try:
+        solution = _search(tables, limit, args.time_limit, quiet)
+    except PlanDoesNotFit as exc:
+        raise UsageError(str(exc)) from None
     seconds = time.perf_counter() - start
-    baselines = {"data_parallel": tables.cost_of(data_parallel(tables))}
-    layers = []
-    for op, cfgs, c in zip(graph.ops, tables.configs, result.choice):
-        cfg = cfgs[c]
-        layers.append({"name": op.name, "kind": op.kind,
-                       "split": {d.name: int(f) for d, f in zip(op.dims, cfg) if f > 1}})
-    out = {"model": graph.name, "devices": args.devices, "cost_model": model.name, "unit": model.unit,
-           "cost": result.cost, "optimal": True, "search_seconds": seconds, "layers": layers,
-           "baselines": baselines, "breakdown": tables.breakdown(list(result.choice))}
+    baselines = {}
+    details = {}
+    for name, choice in all_baselines(tables).items():
+        cost, mem = tables.cost_of(choice), memory_of(tables, choice)
+        baselines[name] = cost
+        details[name] = {"cost": cost, "memory_bytes": mem, "fits": limit is None or mem <= limit,
+                         "speedup": cost / solution.cost if solution.cost > 0 else None}
+    plan = Plan.from_choice(tables, solution.choice, cluster=cluster.name if cluster else None,
+                            method=solution.method, optimal=solution.optimal, lower_bound=solution.lower_bound,
+                            baselines=baselines, search_seconds=seconds, note=solution.note)
+    out = plan.to_dict()
+    out.update(baseline_details=details, build_seconds=tables.build_seconds,
+               memory_limit_bytes=limit, peak_memory_bytes=solution.memory_bytes)
     if args.json == "-":
         print(json.dumps(out))
         return 0
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
+    _print(plan, graph, details, solution, limit, tables)
+    return 0
+
+
+def _build(graph, model, devices, quiet):
+    if quiet:
+        return build_tables(graph, model, devices)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("pricing configurations", total=len(graph.ops))
+        return build_tables(graph, model, devices, progress=lambda i, n: progress.update(task, completed=i))
+
+
+def _search(tables, limit, time_limit, quiet):
+    if quiet:
+        return solve(tables, memory_limit_bytes=limit, time_limit_s=time_limit)
+    from rich.console import Console
+
+    with Console(stderr=True).status("searching (Ctrl-C returns the best plan so far)"):
+        return solve(tables, memory_limit_bytes=limit, time_limit_s=time_limit)
+
+
+def _print(plan: Plan, graph, details, solution, limit, tables) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{graph.name} on {args.devices} devices ({model.name} cost model)")
-    table.add_column("op")
-    table.add_column("kind")
-    table.add_column("split")
-    for layer in layers:
-        split = " ".join(f"{k}={v}" for k, v in layer["split"].items()) or "replicated"
-        table.add_row(layer["name"], layer["kind"], split)
+    where = f"{plan.devices} devices" + (f" of {plan.cluster}" if plan.cluster else "")
+    table = Table(title=f"{graph.name} on {where} ({plan.cost_model} cost model)")
+    for col in ("op", "kind", "split"):
+        table.add_column(col)
+    for op in plan.ops:
+        table.add_row(op.name, op.kind, op.describe())
     console = Console()
     console.print(table)
-    console.print(f"cost: {result.cost:.6g} {model.unit}  (search {seconds:.2f} s, exact)")
-    for name, cost in baselines.items():
-        console.print(f"speedup over {name}: {cost / result.cost:.3f}x  ({name} cost {cost:.6g})")
-    return 0
+    status = "proven optimal" if plan.optimal else "NOT proven optimal"
+    console.print(f"cost: {plan.cost:.6g} {plan.unit}  ({plan.method}, {status}; "
+                  f"search {plan.search_seconds:.2f} s)")
+    b = plan.breakdown
+    console.print(f"  compute {b['compute']:.4g}, intra-op communication {b['comm']:.4g}, "
+                  f"redistribution {b['redistribution']:.4g} {plan.unit}; "
+                  f"memory {solution.memory_bytes / GIB:.3f} GiB per device"
+                  + (f" (limit {limit / GIB:.1f} GiB)" if limit else ""))
+    if plan.note:
+        console.print(f"  note: {plan.note}")
+    for name, d in details.items():
+        fits = "" if d["fits"] else ", does not fit in memory"
+        console.print(f"speedup over {name}: {d['speedup']:.3f}x  ({name} cost {d['cost']:.6g}{fits})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,21 +149,39 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="find the cheapest per-layer parallelization")
     p.add_argument("--model", required=True, help="built-in model name (see `shardplan models`)")
-    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--size", default=None, help="named size of the model, e.g. --model gpt --size 1.3b")
+    p.add_argument("--devices", type=int, default=None, help="devices to plan for")
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--cost-model", default="pase")
+    p.add_argument("--cluster", default=None, help=f"preset name or YAML/JSON file (default {DEFAULT_CLUSTER})")
+    p.add_argument("--nodes", type=int, default=None, help="scale a multi-node cluster preset to N nodes")
+    p.add_argument("--cost-model", default="analytic", help="analytic (seconds, default) or pase (PaSE's units)")
+    p.add_argument("--memory-limit", type=float, default=None,
+                   help="GiB per device (default: the cluster's device memory; none for pase)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds; past it the best plan so far is returned, flagged not optimal")
     p.add_argument("--json", default=None, help="write the plan as JSON to FILE, or - for stdout")
     sub.add_parser("models", help="list built-in models")
+    sub.add_parser("clusters", help="list built-in clusters")
     args = parser.parse_args(argv)
     try:
         if args.command == "models":
             for name in sorted(MODELS):
-                print(name)
+                sizes = model_sizes(name)
+                print(name + (f"  (sizes: {', '.join(sizes)})" if sizes else ""))
+            return 0
+        if args.command == "clusters":
+            for name, c in PRESETS.items():
+                lv = ", ".join(f"{x.name} {x.bandwidth / 1e9:g} GB/s" for x in c.levels)
+                print(f"{name}: {DESCRIPTIONS[name]} ({c.device.peak_flops / 1e12:g} TFLOP/s, "
+                      f"{c.device.memory_bytes / 1e9:g} GB; {lv})")
             return 0
         return _plan(args)
     except UsageError as exc:
         print(f"shardplan: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("shardplan: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,155 @@
+"""Cluster model: identical devices joined by a hierarchy of network levels.
+
+A cluster is ``prod(level.fanout)`` devices. Level 0 groups ``fanout_0`` devices (a node joined by
+NVLink or PCIe), level 1 groups ``fanout_1`` level-0 groups (nodes joined by InfiniBand), and so on;
+more levels (rack, pod) need no new code. Device ranks are numbered so that ranks ``0..fanout_0-1``
+share a node.
+
+Collectives are priced with the alpha-beta model per level (Hockney; Thakur, Rabenseifner & Gropp,
+IJHPCA 2005, ring algorithms), composed hierarchically as NCCL does across nodes: a group of ``q``
+devices that has ``q_l`` members per level-``l`` step runs the level-0 step on the whole buffer, the
+level-1 step on ``1/q_0`` of it, and so on. For a buffer of ``n`` bytes per device:
+
+    all_reduce     = sum_l  2 (q_l - 1) alpha_l + 2 (q_l - 1)/q_l * n_l / beta_l
+    all_gather     = sum_l    (q_l - 1) alpha_l +   (q_l - 1)/q_l * n_l / beta_l   (n = gathered size)
+    reduce_scatter = all_gather
+    all_to_all     = sum_l    (q_l - 1) alpha_l +   (q_l - 1)/q_l * n   / beta_l
+    n_l = n / prod_{j<l} q_j     (bytes still in play at level l; for all-to-all every level moves n)
+
+with ``alpha_l`` the level's latency (s) and ``beta_l`` its bandwidth per device (bytes/s, one
+direction). Units: bytes, seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be used; the message names the bad field."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator. ``peak_flops`` is the dense rate of the dtype the model trains in."""
+
+    name: str
+    peak_flops: float  # FLOP/s
+    memory_bytes: float  # bytes of device memory
+    memory_bandwidth: float  # bytes/s to device memory
+    efficiency: float = 1.0
+    """Fraction of peak a large matmul reaches (calibration sets it; 1.0 = the datasheet)."""
+
+    def __post_init__(self) -> None:
+        for f in ("peak_flops", "memory_bytes", "memory_bandwidth"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ClusterError(f"device.{f} must be a positive number, got {v!r}")
+        if not 0 < self.efficiency <= 1:
+            raise ClusterError(f"device.efficiency must be in (0, 1], got {self.efficiency!r}")
+
+
+@dataclass(frozen=True)
+class Level:
+    """One network level: ``fanout`` members (devices, or groups of the level below) per group."""
+
+    name: str
+    fanout: int
+    bandwidth: float  # bytes/s per device, one direction
+    latency: float  # seconds per message step
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fanout, int) or isinstance(self.fanout, bool) or self.fanout < 1:
+            raise ClusterError(f"level {self.name!r}: fanout must be a positive integer, got {self.fanout!r}")
+        if not isinstance(self.bandwidth, (int, float)) or not self.bandwidth > 0:
+            raise ClusterError(f"level {self.name!r}: bandwidth must be a positive number, got {self.bandwidth!r}")
+        if not isinstance(self.latency, (int, float)) or self.latency < 0:
+            raise ClusterError(f"level {self.name!r}: latency must be a non-negative number, got {self.latency!r}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    device: Device
+    levels: tuple[Level, ...]
+    _span: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ClusterError(f"cluster {self.name!r}: needs at least one network level")
+        span, acc = [], 1
+        for lv in self.levels:
+            acc *= lv.fanout
+            span.append(acc)
+        object.__setattr__(self, "_span", tuple(span))
+
+    @property
+    def num_devices(self) -> int:
+        return self._span[-1]
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.levels[0].fanout
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """Devices inside one group of each level (cumulative fanouts)."""
+        return self._span
+
+    def with_devices(self, devices: int) -> "Cluster":
+        """The same machine cut or grown (top level) to hold at least ``devices`` devices."""
+        if devices < 1:
+            raise ClusterError(f"devices must be a positive integer, got {devices}")
+        below = self._span[-2] if len(self.levels) > 1 else 1
+        top = self.levels[-1]
+        if len(self.levels) == 1 and devices <= top.fanout:
+            return self
+        groups = max(1, math.ceil(devices / below))
+        if len(self.levels) == 1:
+            raise ClusterError(f"cluster {self.name!r} has {self.num_devices} devices; {devices} requested")
+        levels = self.levels[:-1] + (Level(top.name, groups, top.bandwidth, top.latency),)
+        return Cluster(self.name, self.device, levels)
+
+    def level_of_span(self, devices: np.ndarray | int) -> np.ndarray:
+        """Index of the lowest level whose groups hold ``devices`` consecutive ranks."""
+        return np.minimum(np.searchsorted(np.array(self._span), np.asarray(devices), side="left"),
+                          len(self.levels) - 1)
+
+    def per_level(self, group: np.ndarray, stride: np.ndarray) -> np.ndarray:
+        """Members per level of groups of ``group`` devices at rank distance ``stride``.
+
+        ``group`` and ``stride`` broadcast together; the result has a trailing axis of one entry per
+        level with product ``group``. A group of q ranks spaced by s occupies rank offsets
+        s, 2s, .., (q-1)s; level l holds the factor of it that lies within [span_{l-1}, span_l).
+        """
+        group = np.asarray(group, dtype=np.float64)
+        stride = np.asarray(stride, dtype=np.float64)
+        lo = np.concatenate([[1.0], np.array(self._span[:-1], dtype=np.float64)])
+        hi = np.array(self._span, dtype=np.float64)
+        hi[-1] = np.inf  # the top level takes whatever is left
+        first, last = stride[..., None], (stride * group)[..., None]
+        return np.maximum(np.minimum(last, hi) / np.maximum(first, lo), 1.0)
+
+
+def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels: np.ndarray) -> np.ndarray:
+    """Alpha-beta time of one collective; ``q_levels[..., l]`` members per level (see module doc)."""
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    q = np.asarray(q_levels, dtype=np.float64)
+    total = np.zeros(np.broadcast_shapes(nbytes.shape, q.shape[:-1]))
+    remaining = nbytes
+    for l, lv in enumerate(cluster.levels):
+        ql = q[..., l]
+        frac = (ql - 1.0) / ql
+        if kind == "all_reduce":
+            total = total + 2.0 * (ql - 1.0) * lv.latency + 2.0 * frac * remaining / lv.bandwidth
+        elif kind in ("all_gather", "reduce_scatter"):
+            total = total + (ql - 1.0) * lv.latency + frac * remaining / lv.bandwidth
+        elif kind == "all_to_all":
+            total = total + (ql - 1.0) * lv.latency + frac * nbytes / lv.bandwidth
+        else:
+            raise ValueError(f"unknown collective {kind!r}")
+        remaining = remaining / ql
+    return total

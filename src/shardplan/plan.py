@@ -1,0 +1,144 @@
+"""A plan as a value: which way every op is split, what it is expected to cost, and JSON for both.
+
+A plan names its model, device count, cluster and cost model, and for every op its split factor
+per iteration dim. The estimate is kept with it (cost, per-device breakdown, baselines), so a plan
+file is a complete record of a planning run. ``Plan.to_choice(tables)`` maps a plan back onto the
+cost tables of a graph and refuses, naming the op, a plan made for a different model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from shardplan.cost.tables import CostTables
+from shardplan.ir.graph import GraphError
+
+SCHEMA_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be read, or that does not match the model it is applied to."""
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    name: str
+    kind: str
+    split: tuple[tuple[str, int], ...]
+    """(dim, factor) for every iteration dim, in the op's dim order (factor 1 = not split)."""
+
+    @property
+    def devices(self) -> int:
+        out = 1
+        for _, f in self.split:
+            out *= f
+        return out
+
+    def describe(self) -> str:
+        parts = [f"{d}={f}" for d, f in self.split if f > 1]
+        return " ".join(parts) or "replicated"
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    devices: int
+    cost_model: str
+    unit: str
+    cluster: str | None
+    ops: tuple[OpPlan, ...]
+    cost: float
+    optimal: bool
+    lower_bound: float
+    method: str
+    breakdown: dict = field(default_factory=dict, hash=False)
+    baselines: dict = field(default_factory=dict, hash=False)
+    search_seconds: float = 0.0
+    note: str = ""
+
+    @staticmethod
+    def from_choice(tables: CostTables, choice, *, cluster: str | None = None, method: str = "exact",
+                    optimal: bool = True, lower_bound: float | None = None, baselines: dict | None = None,
+                    search_seconds: float = 0.0, note: str = "") -> "Plan":
+        ops = []
+        for op, cfgs, c in zip(tables.graph.ops, tables.configs, choice):
+            ops.append(OpPlan(op.name, op.kind, tuple((d.name, int(f)) for d, f in zip(op.dims, cfgs[c]))))
+        cost = tables.cost_of(choice)
+        return Plan(tables.graph.name, tables.devices, tables.model_name, tables.unit, cluster, tuple(ops), cost,
+                    optimal, cost if lower_bound is None else lower_bound, method, tables.breakdown(list(choice)),
+                    dict(baselines or {}), search_seconds, note)
+
+    def to_choice(self, tables: CostTables) -> list[int]:
+        """Configuration indices of this plan in ``tables``; PlanError if the plan does not match."""
+        graph = tables.graph
+        if len(self.ops) != len(graph.ops):
+            raise PlanError(f"plan is for {self.model!r} with {len(self.ops)} ops; model {graph.name!r} has "
+                            f"{len(graph.ops)} ops")
+        if self.devices != tables.devices:
+            raise PlanError(f"plan is for {self.devices} devices, not {tables.devices}")
+        choice = []
+        for i, (p, op) in enumerate(zip(self.ops, graph.ops)):
+            dims = tuple(d for d, _ in p.split)
+            if p.name != op.name or dims != op.dim_names:
+                raise PlanError(f"plan op {i} is {p.name!r} with dims {dims}; model {graph.name!r} has "
+                                f"{op.name!r} with dims {op.dim_names}")
+            try:
+                choice.append(tables.index_of(i, tuple(f for _, f in p.split)))
+            except GraphError as exc:
+                raise PlanError(str(exc)) from None
+        return choice
+
+    # -- JSON ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION, "model": self.model, "devices": self.devices,
+            "cost_model": self.cost_model, "unit": self.unit, "cluster": self.cluster, "cost": self.cost,
+            "optimal": self.optimal,
+            "lower_bound": self.lower_bound if math.isfinite(self.lower_bound) else None, "method": self.method,
+            "search_seconds": self.search_seconds, "note": self.note,
+            "layers": [{"name": o.name, "kind": o.kind, "split": {d: f for d, f in o.split if f > 1},
+                        "dims": [d for d, _ in o.split]} for o in self.ops],
+            "breakdown": self.breakdown, "baselines": self.baselines,
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @staticmethod
+    def from_dict(raw: dict, source: str = "plan") -> "Plan":
+        if not isinstance(raw, dict):
+            raise PlanError(f"{source}: expected a JSON object")
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError(f"{source}: schema_version {version!r} is not supported (this shardplan reads "
+                            f"version {SCHEMA_VERSION})")
+        try:
+            ops = tuple(OpPlan(layer["name"], layer["kind"],
+                               tuple((d, int(layer["split"].get(d, 1))) for d in layer["dims"]))
+                        for layer in raw["layers"])
+            return Plan(raw["model"], int(raw["devices"]), raw["cost_model"], raw["unit"], raw.get("cluster"),
+                        ops, float(raw["cost"]), bool(raw["optimal"]), -math.inf if raw["lower_bound"] is None else float(raw["lower_bound"]), raw["method"],
+                        dict(raw.get("breakdown", {})), dict(raw.get("baselines", {})),
+                        float(raw.get("search_seconds", 0.0)), raw.get("note", ""))
+        except KeyError as exc:
+            raise PlanError(f"{source}: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise PlanError(f"{source}: malformed plan ({exc})") from None
+
+    @staticmethod
+    def from_json(text: str, source: str = "plan") -> "Plan":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{source}: not valid JSON ({exc})") from None
+        return Plan.from_dict(raw, source)
+
+    @staticmethod
+    def load(path: str) -> "Plan":
+        try:
+            with open(path) as fh:
+                return Plan.from_json(fh.read(), source=f"plan file {path!r}")
+        except OSError as exc:
+            raise PlanError(f"plan file {path!r}: {exc.strerror}") from None
