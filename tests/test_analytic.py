@@ -1,0 +1,186 @@
+"""The analytic cost model and the cluster model against hand calculations, and the search on it."""
+
+import numpy as np
+import pytest
+
+from shardplan.cluster import Cluster, Device, Level, collective_seconds, get_cluster
+from shardplan.cost.analytic import AnalyticCostModel
+from shardplan.cost.tables import build_tables
+from shardplan.ir.builder import GraphBuilder
+from shardplan.search.brute_force import brute_force
+from shardplan.search.exact import exact_search
+
+ALPHA0, BETA0, ALPHA1, BETA1 = 2e-6, 100e9, 10e-6, 10e9
+PEAK, HBM = 100e12, 1e12
+
+
+def cluster(per_node=4, nodes=1, **kw):
+    dev = Device("toy", kw.get("peak", PEAK), 16e9, kw.get("hbm", HBM))
+    return Cluster("toy", dev, (Level("node", per_node, kw.get("b0", BETA0), kw.get("a0", ALPHA0)),
+                                Level("net", nodes, kw.get("b1", BETA1), kw.get("a1", ALPHA1))))
+
+
+def one_linear(batch=64, k=256, n=512):
+    b = GraphBuilder("lin")
+    x = b.input("x", (batch, k), ("batch", "features"))
+    b.linear(x, n, name="fc")
+    return b.build()
+
+
+def costs_of(graph, model, devices, op, config):
+    tables = build_tables(graph, model, devices)
+    i = graph.op_index(op)
+    j = tables.index_of(i, config)
+    n = tables.nodes[i]
+    return tables, float(n.compute[j]), float(n.comm[j]), float(n.memory[j])
+
+
+def test_ring_all_reduce_on_one_node():
+    c = cluster()
+    nbytes = 4 * 256 * 512
+    got = collective_seconds(c, "all_reduce", nbytes, c.per_level(4, 1))
+    assert got == pytest.approx(2 * 3 * ALPHA0 + 2 * (3 / 4) * nbytes / BETA0, rel=1e-12)
+
+
+def test_hierarchical_all_reduce_across_nodes():
+    """16 devices, 4 per node: ring in the node on n bytes, then across nodes on n / 4."""
+    c = cluster(nodes=4)
+    n = 1e8
+    q = c.per_level(16, 1)
+    assert q.tolist() == [4.0, 4.0]
+    want = 2 * 3 * ALPHA0 + 2 * 0.75 * n / BETA0 + 2 * 3 * ALPHA1 + 2 * 0.75 * (n / 4) / BETA1
+    assert collective_seconds(c, "all_reduce", n, q) == pytest.approx(want, rel=1e-12)
+    # a 2-member group at stride 4 crosses nodes only
+    assert c.per_level(2, 4).tolist() == [1.0, 2.0]
+    assert c.per_level(8, 2).tolist() == [2.0, 4.0]
+
+
+def test_gather_and_all_to_all():
+    c = cluster()
+    n = 8e6
+    q = c.per_level(4, 1)
+    assert collective_seconds(c, "all_gather", n, q) == pytest.approx(3 * ALPHA0 + 0.75 * n / BETA0)
+    assert collective_seconds(c, "all_to_all", n, q) == pytest.approx(3 * ALPHA0 + 0.75 * n / BETA0)
+
+
+def test_data_parallel_linear_hand_calculation():
+    """Batch split 4 ways: compute on a quarter, weight gradient all-reduced over the 4 replicas."""
+    batch, k, n = 64, 256, 512
+    _, compute, comm, memory = costs_of(one_linear(batch, k, n), AnalyticCostModel(cluster()), 4, "fc",
+                                        (4, 1, 1))
+    flops = 3 * 2 * batch * k * n / 4
+    bytes_ = 3 * 4 * (batch * k / 4 + n * k + batch * n / 4)
+    assert compute == pytest.approx(max(flops / PEAK, bytes_ / HBM), rel=1e-12)
+    weight = 4 * n * k
+    assert comm == pytest.approx(2 * 3 * ALPHA0 + 2 * 0.75 * weight / BETA0, rel=1e-12)
+    # weight + gradient + two Adam moments, and the output activation kept for backward, and the input
+    assert memory == pytest.approx(4 * weight + 4 * batch * n / 4 + 4 * batch * k / 4, rel=1e-12)
+
+
+def test_column_parallel_linear_needs_no_weight_all_reduce():
+    """Output features split: the weight is not replicated; the graph input needs no gradient."""
+    _, _, comm, memory = costs_of(one_linear(), AnalyticCostModel(cluster()), 4, "fc", (1, 4, 1))
+    assert comm == 0.0
+    assert memory == pytest.approx(4 * 4 * 512 * 256 / 4 + 4 * 64 * 512 / 4 + 4 * 64 * 256, rel=1e-12)
+
+
+def test_row_parallel_linear_all_reduces_partial_sums():
+    """A split reduction dim: the output tile (64 x 512 floats) is all-reduced over 4 devices."""
+    _, _, comm, _ = costs_of(one_linear(), AnalyticCostModel(cluster()), 4, "fc", (1, 1, 4))
+    out = 4 * 64 * 512
+    assert comm == pytest.approx(2 * 3 * ALPHA0 + 2 * 0.75 * out / BETA0, rel=1e-12)
+
+
+def test_conv_halo_exchange():
+    b = GraphBuilder("conv")
+    x = b.input("x", (8, 16, 32, 32), ("batch", "channels", "height", "width"))
+    b.conv2d(x, 16, 3, padding=1, name="conv")
+    g = b.build()
+    model = AnalyticCostModel(cluster())
+    cfg = {"batch": 1, "in_channels": 1, "height": 2, "width": 1, "kernel_h": 1, "kernel_w": 1, "out_channels": 1}
+    _, _, comm, _ = costs_of(g, model, 2, "conv", tuple(cfg[d.name] for d in g.ops[0].dims))
+    halo = 4 * 8 * 16 * 32 * 2  # two ghost rows of the input (batch x channels x width)
+    weight = 4 * 16 * 16 * 3 * 3  # replicated over the 2 height shards: its gradient is all-reduced
+    assert comm == pytest.approx(2 * (2 * ALPHA0 + halo / BETA0) + 2 * ALPHA0 + weight / BETA0, rel=1e-12)
+
+
+def test_redistribution_edge():
+    """Batch-split producer, feature-split consumer: each device lacks 3/4 of its tile, both ways."""
+    b = GraphBuilder("two")
+    x = b.input("x", (64, 256), ("batch", "features"))
+    y = b.linear(x, 256, name="a")
+    b.layer_norm(y, name="n")  # norm over features keeps the layout question on the edge
+    g = b.build()
+    model = AnalyticCostModel(cluster())
+    tables = build_tables(g, model, 4)
+    e = tables.edges[0]
+    src = tables.index_of(0, (4, 1, 1))
+    dst = tables.index_of(1, (1, 4))
+    tile = 4 * 64 * 256 / 4
+    got = e.cost[e.src_class[src], e.dst_class[dst]]
+    assert got == pytest.approx(2 * (ALPHA0 + 0.75 * tile / BETA0), rel=1e-12)
+    same = tables.index_of(1, (4, 1))
+    assert e.cost[e.src_class[src], e.dst_class[same]] == 0.0
+
+
+def random_graph(rng):
+    """Chains with skips of conv / pool / norm / relu / add and a linear head."""
+    b = GraphBuilder(f"cnn{rng.integers(1 << 30)}")
+    c = int(rng.choice([2, 4]))
+    x = b.input("x", (4, c, 8, 8), ("batch", "channels", "height", "width"))
+    live = [x]
+    for _ in range(int(rng.integers(1, 4))):
+        kind = rng.choice(["conv", "pool", "norm", "relu", "add"])
+        src = live[-1]
+        if kind == "conv":
+            y = b.conv2d(src, c, int(rng.choice([1, 3])), padding=1 if rng.random() < 0.5 else 0)
+            if b.shape(y) != b.shape(src):
+                live = [y]
+                continue
+        elif kind == "pool":
+            y = b.pool2d(src, 3, padding=1)
+        elif kind == "norm":
+            y = b.batch_norm(src)
+        elif kind == "relu":
+            y = b.relu(src)
+        else:
+            y = b.add(src, live[int(rng.integers(len(live)))])
+        live.append(y)
+    while len(live) > 2:
+        a, d = live.pop(), live.pop()
+        live.append(b.add(a, d))
+    h = b.reshape(live[-1], (4, int(np.prod(b.shape(live[-1])[1:]))), ("batch", "features"))
+    b.softmax_xent(b.linear(h, 4))
+    return b.build()
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_exact_equals_brute_force_analytic(seed):
+    rng = np.random.default_rng(5000 + seed)
+    for _ in range(20):
+        g = random_graph(rng)
+        devices = int(rng.choice([2, 4]))
+        c = cluster(per_node=2, nodes=2, b1=float(rng.choice([1e9, 10e9])))
+        tables = build_tables(g, AnalyticCostModel(c), devices)
+        if np.prod([float(k) for k in tables.num_configs]) <= 100_000:
+            break
+    else:
+        pytest.skip("no small graph drawn")
+    _, best = brute_force(tables)
+    result = exact_search(tables)
+    assert result.cost == pytest.approx(best, rel=1e-12)
+
+
+def test_free_communication_uses_every_device():
+    free = cluster(per_node=8, nodes=1, b0=1e30, a0=0.0, b1=1e30, a1=0.0)
+    g = one_linear(batch=64, k=512, n=512)
+    tables = build_tables(g, AnalyticCostModel(free), 8)
+    result = exact_search(tables)
+    for cfgs, c in zip(tables.configs, result.choice):
+        assert cfgs[c].prod() == 8
+
+
+def test_presets_scale():
+    c = get_cluster("dgx-h100", nodes=16)
+    assert c.num_devices == 128 and c.devices_per_node == 8
+    assert get_cluster("dgx-a100", devices=1024).num_devices == 1024
