@@ -96,3 +96,25 @@ def test_plan_json_round_trip_and_mismatch():
     del raw["schema_version"]
     with pytest.raises(PlanError):
         Plan.from_dict(raw)
+
+
+def test_mesh_view():
+    from shardplan.cluster.mesh import MeshError
+
+    tables = build_tables(build_model("transformer"), AnalyticCostModel(get_cluster("dgx-a100", devices=16)), 16)
+    plan = Plan.from_choice(tables, exact_search(tables).choice)
+    mesh, ops = plan.mesh_view(tables.graph)
+    assert mesh == (2, 2, 2, 2)
+    for op_plan, m in zip(plan.ops, ops):
+        got = {d: 1 for d, _ in op_plan.split}
+        for dim, axes in m.axes:
+            for a in axes:
+                got[dim] *= mesh[a]
+        assert got == dict(op_plan.split)
+    with pytest.raises(MeshError, match="devices"):
+        plan.mesh_view(tables.graph, (4, 2))
+    # a 4-way split cannot use a mesh made of a 16-way axis alone
+    split4 = [op for op in plan.ops if 4 in dict(op.split).values()]
+    if split4:
+        with pytest.raises(MeshError, match="does not map"):
+            plan.mesh_view(tables.graph, (16,))

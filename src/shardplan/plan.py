@@ -90,6 +90,18 @@ class Plan:
                 raise PlanError(str(exc)) from None
         return choice
 
+    def mesh_view(self, graph, mesh: tuple[int, ...] | None = None):
+        """(mesh shape, per-op mesh axes) for execution; see ``cluster.mesh``."""
+        from shardplan.cluster.mesh import MeshError, assign, default_mesh
+
+        mesh = tuple(mesh) if mesh else default_mesh(self.devices)
+        size = 1
+        for a in mesh:
+            size *= a
+        if size != self.devices:
+            raise MeshError(f"mesh {'x'.join(map(str, mesh))} has {size} devices; the plan is for {self.devices}")
+        return mesh, [assign(op, tuple(f for _, f in p.split), mesh) for p, op in zip(self.ops, graph.ops)]
+
     # -- JSON ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
