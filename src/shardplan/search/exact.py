@@ -41,7 +41,7 @@ import numpy as np
 
 from shardplan.cost.tables import CostTables
 
-CHUNK_ELEMENTS = 1 << 22  # ~32 MB of float64 per broadcast block
+CHUNK_ELEMENTS = 1 << 20  # 8 MB of float64 per broadcast block (measured best on the Transformer)
 
 
 class SearchInterrupted(Exception):
@@ -79,6 +79,17 @@ def _joint(maps: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
     return inverse.reshape(-1), [uniq[:, j] for j in range(len(maps))]
 
 
+def _take(t: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:
+    """``t`` re-indexed along one axis; a contiguous run of indices is a cheap slice, not a gather."""
+    if len(index) and index[-1] - index[0] == len(index) - 1 and np.all(np.diff(index) == 1):
+        if len(index) == t.shape[axis]:
+            return t
+        sl = [slice(None)] * t.ndim
+        sl[axis] = slice(int(index[0]), int(index[-1]) + 1)
+        return t[tuple(sl)]
+    return np.take(t, index, axis=axis)
+
+
 def _segment_min(values: np.ndarray, classes: np.ndarray, n: int) -> np.ndarray:
     out = np.full(n, np.inf)
     np.minimum.at(out, classes, values)
@@ -101,6 +112,7 @@ class _Eliminator:
         self.max_table = 0
         self.work = 0.0
         self.history: list[tuple[int, list[_Factor]]] = []
+        self.buffer = np.empty(0)  # reused accumulator of one chunk
 
     def _add(self, f: _Factor) -> None:
         fid = self.next_id
@@ -159,29 +171,39 @@ class _Eliminator:
         size = int(np.prod(shape, dtype=np.float64)) if shape else 1
         self.max_table = max(self.max_table, size * nv_classes)
         self.work += float(size) * nv_classes
-        # Re-index every factor onto (others..., v) joint classes; sum in chunks over v's classes.
+        # Re-index every factor onto (v, others...) joint classes and sum in chunks of v's classes.
+        # v goes first so that the min over it is an elementwise minimum of contiguous slices.
         step = max(1, CHUNK_ELEMENTS // max(size, 1))
-        result = np.full(shape, np.inf)
+        result = None
+        k = len(others)
         for lo in range(0, nv_classes, step):
             hi = min(nv_classes, lo + step)
-            acc = np.broadcast_to(nv[lo:hi], shape + (hi - lo,)).copy()
+            acc = None
             for i, fac in enumerate(facs):
                 t = fac.table
-                idx = []
-                for u in fac.vars:
-                    if u == v:
-                        idx.append(v_back[i][lo:hi])
-                    else:
-                        idx.append(u_info[u][1][i])
-                t = t[np.ix_(*idx)]
-                # move axes into (others..., v) order, inserting broadcast axes
-                pos = [others.index(u) if u != v else len(others) for u in fac.vars]
+                for axis, u in enumerate(fac.vars):
+                    t = _take(t, v_back[i][lo:hi] if u == v else u_info[u][1][i], axis)
+                # axis order (v, others...) with broadcast axes for the others this factor lacks
+                pos = [0 if u == v else 1 + others.index(u) for u in fac.vars]
                 t = t.transpose(np.argsort(pos))
-                full = [1] * (len(others) + 1)
+                full = [1] * (k + 1)
                 for axis, p in enumerate(sorted(pos)):
                     full[p] = t.shape[axis]
-                acc += t.reshape(full)
-            np.minimum(result, acc.min(axis=-1), out=result)
+                t = t.reshape(full)
+                if acc is None:
+                    n_acc = (hi - lo) * size
+                    if len(self.buffer) < n_acc:
+                        self.buffer = np.empty(n_acc)
+                    acc = self.buffer[:n_acc].reshape((hi - lo,) + shape)
+                    np.add(t, nv[lo:hi].reshape((-1,) + (1,) * k), out=acc)
+                else:
+                    acc += t
+            if result is None:
+                result = acc.min(axis=0)
+            elif hi - lo == 1:
+                np.minimum(result, acc[0], out=result)
+            else:
+                np.minimum(result, np.minimum.reduce(acc, axis=0), out=result)
         if not others:
             self.constant += float(result)
             return
