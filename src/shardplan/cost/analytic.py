@@ -169,6 +169,8 @@ class AnalyticCostModel:
         for axis, k in ((2, r), (3, s)):
             rows = spec.shape[axis] / layout[:, axis]
             halo = in_tile / rows * max(k - 1, 0)  # (k - 1) ghost rows in all, split over two sides
+            if not x.axes[axis]:
+                continue  # this input axis is never split by the op
             dim = op.dim_index(x.axes[axis][0])
             level = self.cluster.level_of_span(strides[:, dim] * 2)
             bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]

@@ -58,10 +58,7 @@ def _plan(args: argparse.Namespace) -> int:
     _positive("--time-limit", args.time_limit)
     _positive("--memory-limit", args.memory_limit)
     model, cluster, devices = _cost_model(args)
-    try:
-        graph = build_model(args.model, args.batch, args.size)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    graph = _graph(args)
     limit = None
     if args.memory_limit is not None:
         limit = args.memory_limit * GIB
@@ -96,6 +93,35 @@ def _plan(args: argparse.Namespace) -> int:
             json.dump(out, fh, indent=1)
     _print(plan, graph, details, solution, limit, tables)
     return 0
+
+
+def _graph(args: argparse.Namespace):
+    """The graph to plan: a zoo model, a Hugging Face model or a user module (both captured)."""
+    given = [f for f, v in (("--model", args.model), ("--hf", args.hf), ("--module", args.module)) if v]
+    if len(given) != 1:
+        raise UsageError("give exactly one of --model, --hf or --module" + (f" (got {', '.join(given)})"
+                                                                            if given else ""))
+    _positive("--batch", args.batch)
+    _positive("--seq", args.seq)
+    if args.model:
+        try:
+            return build_model(args.model, args.batch, args.size)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    try:
+        from shardplan.capture import CaptureError, capture
+        from shardplan.capture.models import load_hf, load_module, parse_config
+    except ImportError as exc:
+        raise UsageError(f"--hf and --module need PyTorch: pip install 'shardplan[torch]' ({exc})") from None
+    try:
+        if args.hf:
+            module, kwargs, name = load_hf(args.hf, parse_config(args.hf_config), batch=args.batch or 8,
+                                           seq=args.seq or 128)
+        else:
+            module, kwargs, name = load_module(args.module, args.input_shape, batch=args.batch)
+        return capture(module, (), kwargs, name=name)
+    except (ValueError, CaptureError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _build(graph, model, devices, quiet):
@@ -148,7 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardplan", description="Plan parallel training of a network.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="find the cheapest per-layer parallelization")
-    p.add_argument("--model", required=True, help="built-in model name (see `shardplan models`)")
+    p.add_argument("--model", default=None, help="built-in model name (see `shardplan models`)")
+    p.add_argument("--hf", default=None, help="a Hugging Face model family: gpt2, llama, bert, mixtral "
+                   "(full-size default config on the meta device; needs torch)")
+    p.add_argument("--hf-config", default=None, help="config overrides, e.g. hidden_size=4096,num_hidden_layers=32")
+    p.add_argument("--module", default=None, help="pkg.module:function returning an nn.Module (needs torch)")
+    p.add_argument("--input-shape", default=None, help="input shape for --module, e.g. 8,3,224,224")
+    p.add_argument("--seq", type=int, default=None, help="sequence length for --hf (default 128)")
     p.add_argument("--size", default=None, help="named size of the model, e.g. --model gpt --size 1.3b")
     p.add_argument("--devices", type=int, default=None, help="devices to plan for")
     p.add_argument("--batch", type=int, default=None)

@@ -1,0 +1,639 @@
+"""Capture an ``nn.Module`` into shardplan's graph IR through ``torch.export``.
+
+The exported aten graph (fake tensors: no weight is touched, a meta-device model works) is walked
+once, in order:
+
+* **Heavy ops** become IR ops with named iteration dims: ``linear``/``addmm``/``mm`` (kind ``fc``),
+  ``matmul``/``bmm`` and scaled-dot-product attention (kind ``einsum``), ``conv2d`` (``conv``),
+  ``embedding`` and ``lstm``. Their FLOPs are the forward multiply-adds x 2, the count
+  ``torch.utils.flop_counter`` uses.
+* **Cheap ops** (elementwise, norms, softmax, dropout, casts, views, transposes, slices) are folded:
+  each value remembers which IR tensor it comes from and, per axis, which axes of that tensor make it
+  up (an *axis map*). A view that splits ``(b, l, h*k)`` into ``(b, l, h, k)`` keeps the link between
+  the heads and the producer's output features, so the search sees Megatron's head split.
+* A cheap op that **joins two IR tensors** (a residual add, SwiGLU's ``silu(g) * u``, a concat)
+  becomes an ``elementwise`` IR op, so the graph keeps its real shape (skip connections included).
+* Parameters of folded ops (norm scales, biases) are attached, replicated, to the op that consumes
+  the folded value, so every parameter of the module is in the graph.
+
+Each IR op keeps the qualified name of the module that ran it (``op.module``), and each parameter
+tensor is named by its FQN, which is what ``shardplan.execute`` uses to apply a plan.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from shardplan.ir.graph import Dim, DimKind, Graph, GraphError, Op, Operand, TensorSpec
+
+
+class CaptureError(ValueError):
+    """A module that cannot be captured; the message names the op and the module."""
+
+
+aten = torch.ops.aten
+
+# Ops folded into their neighbours because they keep the shape of their main input.
+_SAME_SHAPE = {
+    "relu", "gelu", "silu", "sigmoid", "tanh", "dropout", "native_dropout", "softmax", "_softmax",
+    "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm", "rms_norm", "batch_norm",
+    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "group_norm",
+    "to", "_to_copy", "type_as", "contiguous", "clone", "alias", "detach", "neg", "rsqrt", "sqrt",
+    "pow", "exp", "log", "abs", "erf", "masked_fill", "hardtanh", "leaky_relu", "elu", "mul", "div",
+    "add", "sub", "where", "scaled_dot_product_attention_math", "lift_fresh_copy", "fill", "zeros_like",
+    "ones_like", "cumsum", "clamp", "square", "reciprocal", "gelu_", "relu_", "hardswish",
+}
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "permute", "transpose", "t",
+          "unsqueeze", "squeeze", "select", "slice", "split", "split_with_sizes", "chunk", "unbind",
+          "mean", "sum", "amax", "max", "contiguous", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d",
+          "max_pool2d_with_indices", "cat"}
+_HEAVY = {"linear", "addmm", "mm", "matmul", "bmm", "conv2d", "convolution", "embedding",
+          "scaled_dot_product_attention", "lstm", "conv1d", "conv3d", "einsum", "baddbmm"}
+
+
+def _base(target) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+@dataclass
+class _Val:
+    """What a node's value is, as far as the planner cares."""
+
+    source: str | None  # IR tensor it comes from; None: a constant (masks, positions, buffers)
+    amap: tuple[tuple[int, ...], ...] = ()  # per axis of this value: axes of ``source`` composing it
+    params: tuple[str, ...] = ()  # parameters of folded ops on the way
+    parts: list = field(default_factory=list)  # for multi-output nodes (split, lstm): one _Val each
+
+
+def _view_map(in_shape, out_shape) -> list[tuple[int, ...]]:
+    """For a reshape: per output axis, the input axes it is made of (major first); () if unknown."""
+    out: list[tuple[int, ...]] = [()] * len(out_shape)
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        if i < len(in_shape) and in_shape[i] == 1:
+            i += 1
+            continue
+        if j < len(out_shape) and out_shape[j] == 1:
+            j += 1
+            continue
+        if i >= len(in_shape) or j >= len(out_shape):
+            break
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                gi.append(i)
+                pi *= in_shape[i]
+            else:
+                j += 1
+                gj.append(j)
+                pj *= out_shape[j]
+        ins = tuple(a for a in gi if in_shape[a] > 1)
+        outs = [b for b in gj if out_shape[b] > 1]
+        if len(ins) == 1 or len(outs) == 1:  # a pure split or a pure merge
+            for b in outs:
+                out[b] = ins
+        i += 1
+        j += 1
+    return out
+
+
+def _labels_for_input(shape, is_float: bool) -> tuple[str, ...]:
+    n = len(shape)
+    if not is_float:
+        return ("batch", "seq")[:n] + tuple(f"d{i}" for i in range(2, n))
+    return {1: ("batch",), 2: ("batch", "features"), 3: ("batch", "seq", "features"),
+            4: ("batch", "channels", "height", "width")}.get(n, ("batch",) + tuple(f"d{i}" for i in range(1, n)))
+
+
+class _Capture:
+    def __init__(self, ep, name: str, dtype_bytes: int | None):
+        self.ep = ep
+        self.name = name
+        self.dtype_bytes = dtype_bytes
+        self.tensors: dict[str, TensorSpec] = {}
+        self.labels: dict[str, tuple[str, ...]] = {}
+        self.ops: list[Op] = []
+        self.vals: dict[str, _Val] = {}
+        self.attached: set[str] = set()
+        self.op_names: dict[str, int] = {}
+        sig = ep.graph_signature
+        self.param_of_input = dict(sig.inputs_to_parameters)
+        self.buffer_inputs = set(sig.inputs_to_buffers) | set(getattr(sig, "inputs_to_lifted_tensor_constants", {}))
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _bytes(self, val) -> int:
+        return self.dtype_bytes or val.element_size()
+
+    def _tensor(self, name: str, shape, labels, nbytes: int, is_param: bool = False) -> str:
+        shape = tuple(int(s) for s in shape)
+        self.tensors[name] = TensorSpec(name, shape, nbytes, is_param)
+        self.labels[name] = tuple(labels)
+        return name
+
+    def _op_name(self, node: fx.Node, what: str) -> tuple[str, str | None]:
+        stack = node.meta.get("nn_module_stack") or {}
+        module = None
+        if stack:
+            module = list(stack.values())[-1][0] or None
+        base = module or node.name
+        if module is not None:
+            n = self.op_names.get(base, 0)
+            self.op_names[base] = n + 1
+            # a module that runs one heavy op gives its name to the op; the rest get a suffix
+            name = base if n == 0 else f"{base}#{what}{n}"
+        else:
+            name = node.name
+        return name, module
+
+    @staticmethod
+    def _meta(node) -> torch.Tensor | None:
+        v = node.meta.get("val") if isinstance(node, fx.Node) else None
+        return v if isinstance(v, torch.Tensor) else None
+
+    def val(self, arg) -> _Val:
+        if isinstance(arg, fx.Node):
+            return self.vals.get(arg.name, _Val(None))
+        return _Val(None)
+
+    def operand(self, arg, dims: list[str | None], consumer: str) -> Operand | None:
+        """Operand on the IR source of ``arg`` whose value axes are ``dims`` in the consumer."""
+        v = self.val(arg)
+        if v.source is None:
+            return None
+        spec = self.tensors[v.source]
+        per_axis: list[list[str]] = [[] for _ in spec.shape]
+        used: set[str] = set()
+        for i, src_axes in enumerate(v.amap):
+            if i >= len(dims) or dims[i] is None or not src_axes:
+                continue
+            a = src_axes[0]  # the major source axis carries the split of a merged axis
+            if dims[i] not in used:
+                per_axis[a].append(dims[i])
+                used.add(dims[i])
+        return Operand(v.source, tuple(tuple(ax) for ax in per_axis))
+
+    def attach(self, args, consumer_inputs: list[Operand]) -> None:
+        for a in args:
+            for p in self.val(a).params:
+                if p not in self.attached:
+                    self.attached.add(p)
+                    consumer_inputs.append(Operand(p, tuple(() for _ in self.tensors[p].shape)))
+
+    def source_labels(self, arg) -> list[str]:
+        v = self.val(arg)
+        meta = self._meta(arg)
+        n = len(meta.shape) if meta is not None else 0
+        if v.source is None:
+            return [f"d{i}" for i in range(n)]
+        lab = self.labels[v.source]
+        return [lab[m[0]] if m else f"d{i}" for i, m in enumerate(v.amap)]
+
+    def emit(self, node, kind: str, dims: list[Dim], inputs: list[Operand | None], out_axes: list[str],
+             flops: float, out_labels: list[str] | None = None, **attrs) -> None:
+        name, module = self._op_name(node, kind)
+        seen, unique = set(), []
+        for d in dims:  # dim names must be unique within an op
+            nm = d.name
+            while nm in seen:
+                nm += "_"
+            seen.add(nm)
+            unique.append(Dim(nm, d.size, d.kind, d.splittable))
+        rename = {d.name: u.name for d, u in zip(dims, unique)}
+        assert len(rename) == len(dims), f"{name}: dims passed twice"
+        meta = self._meta(node)
+        out = self._tensor(f"{name}:out", meta.shape, out_labels or out_axes, self._bytes(meta))
+        ins = [Operand(o.tensor, tuple(tuple(rename.get(d, d) for d in ax) for ax in o.axes))
+               for o in inputs if o is not None]
+        outs = [Operand(out, tuple((rename[d],) for d in out_axes))]
+        self.ops.append(Op(name, kind, tuple(unique), tuple(ins), tuple(outs), float(flops),
+                           tuple(sorted(attrs.items())), module, None))
+        self.vals[node.name] = _Val(out, tuple((i,) for i in range(len(meta.shape))))
+
+    # -- walk ----------------------------------------------------------------------------------------
+    def run(self) -> Graph:
+        state = self.ep.state_dict
+        for node in self.ep.graph.nodes:
+            if node.op == "placeholder":
+                meta = self._meta(node)
+                if node.name in self.param_of_input:
+                    fqn = self.param_of_input[node.name]
+                    self._tensor(fqn, meta.shape, [f"p{i}" for i in range(meta.dim())], self._bytes(meta), True)
+                    self.vals[node.name] = _Val(None, params=(fqn,))
+                elif node.name in self.buffer_inputs or meta is None:
+                    self.vals[node.name] = _Val(None)
+                else:
+                    is_float = meta.is_floating_point()
+                    t = self._tensor(node.name, meta.shape, _labels_for_input(meta.shape, is_float),
+                                     self._bytes(meta) if is_float else meta.element_size())
+                    self.vals[node.name] = _Val(t, tuple((i,) for i in range(meta.dim())))
+            elif node.op == "call_function":
+                self.visit(node)
+        del state
+        tied = [n for n, t in self.tensors.items() if t.is_param]
+        graph = Graph(self.name, tuple(self.ops), tuple(self.tensors.values()),
+                      meta=(("captured", True), ("params", tuple(tied))))
+        try:
+            return graph.verify()
+        except GraphError as exc:  # a capture bug, not a user error: say where
+            raise CaptureError(f"captured graph of {self.name!r} is inconsistent: {exc}") from None
+
+    def visit(self, node: fx.Node) -> None:
+        base = _base(node.target)
+        if base in _HEAVY:
+            handler = getattr(self, f"h_{base}", None)
+            if handler is None:
+                _, module = self._op_name(node, base)
+                raise CaptureError(f"op aten.{base} in module {module or '<top>'!r} ({node.name}) is not "
+                                   f"supported by shardplan's capture yet")
+            handler(node)
+            return
+        self.fold(node, base)
+
+    # -- folding -------------------------------------------------------------------------------------
+    def fold(self, node: fx.Node, base: str) -> None:
+        meta = node.meta.get("val")
+        args = [a for a in node.args if isinstance(a, fx.Node)]
+        for a in node.args:
+            if isinstance(a, (list, tuple)):
+                args += [x for x in a if isinstance(x, fx.Node)]
+        vals = [self.val(a) for a in args]
+        params = tuple(p for v in vals for p in v.params)
+        if base == "getitem":
+            parent = self.val(node.args[0])
+            idx = node.args[1]
+            if parent.parts and isinstance(idx, int) and idx < len(parent.parts):
+                self.vals[node.name] = parent.parts[idx]
+            else:
+                self.vals[node.name] = _Val(parent.source, parent.amap if not parent.parts else (), params)
+            return
+        if not isinstance(meta, torch.Tensor):
+            if isinstance(meta, (list, tuple)) and args:  # split / chunk / unbind
+                v = vals[0]
+                dim = self._dim_arg(node, len(self._meta(args[0]).shape))
+                parts = []
+                for m in meta:
+                    if not isinstance(m, torch.Tensor):
+                        parts.append(_Val(None))
+                        continue
+                    amap = list(v.amap)
+                    if base == "unbind":
+                        amap = amap[:dim] + amap[dim + 1:]
+                    elif dim < len(amap):
+                        amap[dim] = ()
+                    parts.append(_Val(v.source, tuple(amap), v.params))
+                self.vals[node.name] = _Val(v.source, (), v.params, parts)
+            else:
+                self.vals[node.name] = _Val(None, params=params)
+            return
+        live = [(a, v) for a, v in zip(args, vals) if v.source is not None]
+        sources = {v.source for _, v in live}
+        if not live:
+            self.vals[node.name] = _Val(None, params=params)
+            return
+        if len(sources) > 1:
+            self.join(node, base, live, params)
+            return
+        # one source: follow the largest argument (a norm's statistics are smaller than its input)
+        a, v = max(live, key=lambda av: self._meta(av[0]).numel() if self._meta(av[0]) is not None else 0)
+        in_shape = tuple(self._meta(a).shape)
+        out_shape = tuple(meta.shape)
+        amap = self.map_axes(node, base, a, v.amap, in_shape, out_shape)
+        self.vals[node.name] = _Val(v.source, amap, params)
+
+    def _dim_arg(self, node, rank: int, pos: int = 1, default: int = 0) -> int:
+        d = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
+        if isinstance(d, (list, tuple)):
+            d = d[0] if d else default
+        return int(d) % max(rank, 1) if isinstance(d, int) else default
+
+    def map_axes(self, node, base, arg, amap, in_shape, out_shape) -> tuple[tuple[int, ...], ...]:
+        amap = list(amap) + [()] * (len(in_shape) - len(amap))
+        if in_shape == out_shape and base not in ("permute", "transpose", "t"):
+            if base in ("slice",):
+                d = self._dim_arg(node, len(in_shape))
+                return tuple(() if i == d and False else m for i, m in enumerate(amap))
+            return tuple(amap)
+        if base in ("permute",):
+            perm = [p % len(in_shape) for p in node.args[1]]
+            return tuple(amap[p] for p in perm)
+        if base in ("transpose", "t"):
+            if base == "t":
+                return tuple(reversed(amap))
+            d0, d1 = (int(x) % len(in_shape) for x in node.args[1:3])
+            amap[d0], amap[d1] = amap[d1], amap[d0]
+            return tuple(amap)
+        if base == "unsqueeze":
+            d = int(node.args[1]) % (len(in_shape) + 1)
+            return tuple(amap[:d] + [()] + amap[d:])
+        if base == "select":
+            d = int(node.args[1]) % len(in_shape)
+            return tuple(amap[:d] + amap[d + 1:])
+        if base == "expand" or (len(in_shape) == len(out_shape) and base not in _VIEWS):
+            off = len(out_shape) - len(in_shape)
+            out = [()] * off + [m if in_shape[i] == out_shape[off + i] else () for i, m in enumerate(amap)]
+            return tuple(out)
+        if len(in_shape) == len(out_shape):  # slices, pooling, a concat with a constant: same axes
+            return tuple(m if in_shape[i] == out_shape[i] else () for i, m in enumerate(amap))
+        if base in ("mean", "sum", "amax", "max") and len(out_shape) < len(in_shape):
+            dims = node.args[1] if len(node.args) > 1 else list(range(len(in_shape)))
+            dims = {int(x) % len(in_shape) for x in (dims if isinstance(dims, (list, tuple)) else [dims])}
+            return tuple(m for i, m in enumerate(amap) if i not in dims)
+        if math.prod(in_shape) == math.prod(out_shape):  # a reshape: split and merge axes
+            groups = _view_map(in_shape, out_shape)
+            out = []
+            for g in groups:
+                parts: list[int] = []
+                for i in g:
+                    for s in amap[i]:
+                        if s not in parts:
+                            parts.append(s)
+                out.append(tuple(parts))
+            return tuple(out)
+        return tuple(() for _ in out_shape)
+
+    def join(self, node, base, live, params) -> None:
+        """A cheap op that combines two IR tensors: an ``elementwise`` op in the graph."""
+        meta = self._meta(node)
+        out_shape = tuple(meta.shape)
+        labels = None
+        for a, v in live:
+            if tuple(self._meta(a).shape) == out_shape:
+                labels = self.source_labels(a)
+                break
+        labels = labels or [f"d{i}" for i in range(len(out_shape))]
+        dims = [Dim(lab, int(s), DimKind.BATCH if lab == "batch" else DimKind.PARALLEL) for lab, s in
+                zip(labels, out_shape)]
+        # unique names first, so that operands and output agree
+        names, seen = [], set()
+        for d in dims:
+            nm = d.name
+            while nm in seen:
+                nm += "_"
+            seen.add(nm)
+            names.append(nm)
+        dims = [Dim(nm, d.size, d.kind) for nm, d in zip(names, dims)]
+        inputs = []
+        for a, v in live:
+            shape = tuple(self._meta(a).shape)
+            off = len(out_shape) - len(shape)
+            ad = [names[off + i] if off + i >= 0 and shape[i] == out_shape[off + i] else None
+                  for i in range(len(shape))]
+            inputs.append(self.operand(a, ad, node.name))
+        self.attach([a for a, _ in live], inputs)
+        for p in params:
+            if p not in self.attached:
+                self.attached.add(p)
+                inputs.append(Operand(p, tuple(() for _ in self.tensors[p].shape)))
+        self.emit(node, "elementwise", dims, inputs, names, float(meta.numel()), out_labels=labels, pw_ops=0,
+                  aten=base)
+
+    # -- heavy ops -----------------------------------------------------------------------------------
+    def _lead_dims(self, arg, n_lead: int) -> list[Dim]:
+        shape = self._meta(arg).shape
+        labels = self.source_labels(arg)
+        out = []
+        for i in range(n_lead):
+            lab = labels[i] if not labels[i].startswith(("d", "p")) or labels[i] in ("d",) else f"rows{i}"
+            if i == 0 and lab.startswith("rows"):
+                lab = "batch"
+            kind = {"batch": DimKind.BATCH, "seq": DimKind.SEQUENCE, "height": DimKind.SPATIAL,
+                    "width": DimKind.SPATIAL}.get(lab, DimKind.PARALLEL)
+            out.append(Dim(lab, int(shape[i]), kind))
+        return out
+
+    def _weight(self, arg) -> str | None:
+        v = self.val(arg)
+        return v.params[0] if v.source is None and v.params else None
+
+    def _unique(self, dims: list[Dim]) -> list[Dim]:
+        seen, out = set(), []
+        for d in dims:
+            nm = d.name
+            while nm in seen:
+                nm += "_"
+            seen.add(nm)
+            out.append(Dim(nm, d.size, d.kind, d.splittable))
+        return out
+
+    def _fc(self, node, x, w, bias, w_out_axis: int) -> None:
+        xs = self._meta(x).shape
+        ws = self._meta(w).shape
+        k, n = int(xs[-1]), int(ws[w_out_axis])
+        lead = self._unique(self._lead_dims(x, len(xs) - 1) + [Dim("out_features", n), Dim("in_features", k,
+                                                                                           DimKind.REDUCTION)])
+        names = [d.name for d in lead]
+        lead_names = names[:-2]
+        inputs = [self.operand(x, lead_names + ["in_features"], node.name)]
+        wname = self._weight(w)
+        if wname is not None:
+            axes = [("out_features",), ("in_features",)]
+            if w_out_axis == 1:
+                axes.reverse()
+            inputs.append(Operand(wname, tuple(axes)))
+            self.attached.add(wname)
+        else:  # a matrix that is an activation: an einsum-like fc
+            inputs.append(self.operand(w, ["out_features", "in_features"] if w_out_axis == 0 else
+                                       ["in_features", "out_features"], node.name))
+        if bias is not None:
+            bname = self._weight(bias)
+            if bname is not None:
+                inputs.append(Operand(bname, (("out_features",),)))
+                self.attached.add(bname)
+        self.attach([x], inputs)
+        m = math.prod(int(s) for s in xs[:-1])
+        self.emit(node, "fc", lead, inputs, lead_names + ["out_features"], 2.0 * m * n * k, pw_ops=0,
+                  out_labels=self.source_labels(x)[:-1] + ["features"])
+
+    def h_linear(self, node):
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        self._fc(node, x, w, b, 0)
+
+    def h_addmm(self, node):  # bias + x @ w, GPT-2's Conv1D: w is (in, out)
+        self._fc(node, node.args[1], node.args[2], node.args[0], 1)
+
+    def h_mm(self, node):
+        a, b = node.args[0], node.args[1]
+        if self._weight(b) is not None:
+            self._fc(node, a, b, None, 1)
+        else:
+            self._matmul(node, a, b)
+
+    def h_matmul(self, node):
+        a, b = node.args[0], node.args[1]
+        if self._weight(b) is not None and self._meta(b).dim() == 2:
+            self._fc(node, a, b, None, 1)
+        else:
+            self._matmul(node, a, b)
+
+    h_bmm = h_matmul
+
+    def _matmul(self, node, a, b) -> None:
+        sa, sb = tuple(self._meta(a).shape), tuple(self._meta(b).shape)
+        if len(sa) < 2 or len(sb) < 2:
+            raise CaptureError(f"op aten.matmul ({node.name}) on a vector is not supported")
+        out = tuple(self._meta(node).shape)
+        nb = len(out) - 2
+        labels = self.source_labels(a)
+        lead_labels = ["batch" if i == 0 else ("heads" if i == 1 else f"b{i}") for i in range(nb)]
+        dims = [Dim(lead_labels[i], int(out[i]), DimKind.BATCH if i == 0 else DimKind.PARALLEL) for i in range(nb)]
+        rows_label = "seq" if "seq" in labels else "rows"
+        dims += [Dim(rows_label, int(sa[-2]), DimKind.SEQUENCE if rows_label == "seq" else DimKind.PARALLEL),
+                 Dim("cols", int(sb[-1])), Dim("inner", int(sa[-1]), DimKind.REDUCTION)]
+        dims = self._unique(dims)
+        names = [d.name for d in dims]
+        lead = names[:nb]
+
+        def side(shape, last2):
+            off = nb - (len(shape) - 2)
+            return [lead[off + i] if shape[i] == out[off + i] else None for i in range(len(shape) - 2)] + last2
+
+        inputs = [self.operand(a, side(sa, [names[nb], names[nb + 2]]), node.name),
+                  self.operand(b, side(sb, [names[nb + 2], names[nb + 1]]), node.name)]
+        self.attach([a, b], inputs)
+        flops = 2.0 * math.prod(out) * sa[-1]
+        self.emit(node, "einsum", dims, inputs, names[:nb + 2], flops, equation="matmul")
+
+    def h_scaled_dot_product_attention(self, node):
+        q, k, v = node.args[:3]
+        sq, sk, sv = (tuple(self._meta(t).shape) for t in (q, k, v))
+        b, h, lq, e = sq
+        lk, ev = sk[-2], sv[-1]
+        dims = [Dim("batch", b, DimKind.BATCH), Dim("heads", h), Dim("seq", lq, DimKind.SEQUENCE),
+                Dim("head_dim_v", ev), Dim("seq_kv", lk, DimKind.REDUCTION, splittable=False),
+                Dim("head_dim", e, DimKind.REDUCTION, splittable=False)]
+        inputs = [self.operand(q, ["batch", "heads", "seq", "head_dim"], node.name),
+                  self.operand(k, ["batch", "heads" if sk[1] == h else None, "seq_kv", "head_dim"], node.name),
+                  self.operand(v, ["batch", "heads" if sv[1] == h else None, "seq_kv", "head_dim_v"], node.name)]
+        self.attach([q, k, v], inputs)
+        flops = 2.0 * b * h * lq * lk * e + 2.0 * b * h * lq * lk * ev
+        self.emit(node, "einsum", dims, inputs, ["batch", "heads", "seq", "head_dim_v"], flops,
+                  equation="attention")
+
+    def h_conv2d(self, node):
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else None
+        stride = node.args[3] if len(node.args) > 3 else (1, 1)
+        padding = node.args[4] if len(node.args) > 4 else (0, 0)
+        groups = node.args[6] if len(node.args) > 6 else 1
+        self._conv(node, x, w, bias, stride, padding, groups)
+
+    def h_convolution(self, node):
+        x, w, bias, stride, padding, dilation, transposed, _, groups = node.args[:9]
+        if transposed:
+            raise CaptureError(f"op aten.convolution (transposed) in {self._op_name(node, 'conv')[1]!r} "
+                               "is not supported yet")
+        self._conv(node, x, w, bias, stride, padding, groups)
+
+    def _conv(self, node, x, w, bias, stride, padding, groups) -> None:
+        xs, ws, out = (tuple(self._meta(t).shape) for t in (x, w, node))
+        if len(xs) != 4:
+            raise CaptureError(f"op aten.conv ({node.name}) with a {len(xs)}-D input: only conv2d is supported")
+        b, c, _, _ = xs
+        co, ci, r, s = ws
+        grouped = groups != 1
+        # Spatial splits would need halo exchange, which DTensor cannot do: kept unsplit for execution.
+        dims = [Dim("batch", b, DimKind.BATCH), Dim("in_channels", ci, DimKind.REDUCTION, splittable=not grouped),
+                Dim("height", out[2], DimKind.SPATIAL, splittable=False),
+                Dim("width", out[3], DimKind.SPATIAL, splittable=False),
+                Dim("kernel_h", r, DimKind.REDUCTION, splittable=False),
+                Dim("kernel_w", s, DimKind.REDUCTION, splittable=False),
+                Dim("out_channels", co, DimKind.PARALLEL, splittable=not grouped)]
+        inputs = [self.operand(x, ["batch", "in_channels" if not grouped else None, "height", "width"], node.name)]
+        wname = self._weight(w)
+        if wname is None:
+            raise CaptureError(f"op aten.conv2d ({node.name}): the weight is not a parameter")
+        inputs.append(Operand(wname, (("out_channels",), ("in_channels",), ("kernel_h",), ("kernel_w",))))
+        self.attached.add(wname)
+        if bias is not None and self._weight(bias) is not None:
+            inputs.append(Operand(self._weight(bias), (("out_channels",),)))
+            self.attached.add(self._weight(bias))
+        self.attach([x], inputs)
+        flops = 2.0 * math.prod(out) * ci * r * s
+        as_pair = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v, v)  # noqa: E731
+        self.emit(node, "conv", dims, inputs, ["batch", "out_channels", "height", "width"], flops,
+                  out_labels=["batch", "channels", "height", "width"], pw_ops=0, kernel=(r, s),
+                  stride=as_pair(stride), padding=as_pair(padding))
+
+    def h_embedding(self, node):
+        w, ids = node.args[0], node.args[1]
+        wname = self._weight(w)
+        if wname is None:
+            raise CaptureError(f"op aten.embedding ({node.name}): the table is not a parameter")
+        vocab, dim = (int(s) for s in self._meta(w).shape)
+        ishape = tuple(self._meta(ids).shape)
+        labels = self.source_labels(ids) if self.val(ids).source else list(_labels_for_input(ishape, False))
+        lead = self._unique([Dim(lab, int(s), DimKind.BATCH if lab == "batch" else
+                                 (DimKind.SEQUENCE if lab == "seq" else DimKind.PARALLEL))
+                             for lab, s in zip(labels, ishape)] +
+                            # vocabulary-sharded lookups (DTensor's MaskPartial) are not combinable with
+                            # other partial sums in torch 2.13, so the table is only split by columns
+                            [Dim("embed", dim), Dim("vocab", vocab, DimKind.REDUCTION, splittable=False)])
+        names = [d.name for d in lead]
+        inputs = [self.operand(ids, names[:-2], node.name), Operand(wname, (("vocab",), ("embed",)))]
+        self.attached.add(wname)
+        self.emit(node, "embedding", lead, inputs, names[:-2] + ["embed"], 0.0,
+                  out_labels=labels + ["embed"])
+
+    def h_lstm(self, node):
+        x, hx, params, has_biases, num_layers, _, _, bidirectional, batch_first = node.args[:9]
+        if bidirectional:
+            raise CaptureError(f"op aten.lstm ({node.name}): bidirectional LSTMs are not supported yet")
+        xs = tuple(self._meta(x).shape)
+        b, s = (xs[0], xs[1]) if batch_first else (xs[1], xs[0])
+        inp = xs[2]
+        hidden = int(self._meta(params[1]).shape[1])
+        pnames = [self._weight(p) for p in params]
+        # Only the batch is split: the runtime runs an LSTM as a local op on a batch shard.
+        dims = [Dim("layers", int(num_layers), splittable=False), Dim("seq", s, DimKind.SEQUENCE, splittable=False),
+                Dim("batch", b, DimKind.BATCH), Dim("hidden_out", hidden, splittable=False),
+                Dim("hidden_in", max(inp, hidden), DimKind.REDUCTION, splittable=False)]
+        order = ["batch", "seq", "hidden_in"] if batch_first else ["seq", "batch", "hidden_in"]
+        inputs = [self.operand(x, order, node.name)]
+        for p in pnames:
+            if p is not None and p not in self.attached:
+                self.attached.add(p)
+                inputs.append(Operand(p, tuple(() for _ in self.tensors[p].shape)))
+        self.attach([x], inputs)
+        flops = 0.0
+        for layer in range(int(num_layers)):
+            i_size = inp if layer == 0 else hidden
+            flops += 2.0 * b * s * 4 * hidden * (i_size + hidden)
+        out_meta = node.meta["val"][0]
+        name, module = self._op_name(node, "lstm")
+        out = self._tensor(f"{name}:out", out_meta.shape, ["batch", "seq", "hidden"] if batch_first else
+                           ["seq", "batch", "hidden"], self._bytes(out_meta))
+        out_axes = [("batch",), ("seq",), ("hidden_out",)] if batch_first else [("seq",), ("batch",), ("hidden_out",)]
+        self.ops.append(Op(name, "lstm", tuple(dims), tuple(i for i in inputs if i is not None),
+                           (Operand(out, tuple(out_axes)),), flops, (("batch_first", bool(batch_first)),),
+                           module, None))
+        parts = [_Val(out, ((0,), (1,), (2,)))] + [_Val(None)] * (len(node.meta["val"]) - 1)
+        self.vals[node.name] = _Val(out, (), (), parts)
+
+
+def capture(module: torch.nn.Module, example_inputs=(), example_kwargs: dict | None = None, *,
+            name: str | None = None, dtype_bytes: int | None = None) -> Graph:
+    """The graph IR of ``module`` called on ``example_inputs`` (tensors on any device, meta included).
+
+    ``dtype_bytes`` overrides the element size used for costing (2 to plan bf16 training of an fp32
+    model). Raises :class:`CaptureError` naming the op and module it cannot handle.
+    """
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    name = name or type(module).__name__
+    try:
+        ep = torch.export.export(module, example_inputs, example_kwargs or {}, strict=False)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds; report them in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(f"torch.export failed on {name!r}: {type(exc).__name__}: {first}") from None
+    return _Capture(ep, name, dtype_bytes).run()
