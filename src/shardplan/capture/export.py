@@ -542,13 +542,14 @@ class _Capture:
         b, c, _, _ = xs
         co, ci, r, s = ws
         grouped = groups != 1
-        # Spatial splits would need halo exchange, which DTensor cannot do: kept unsplit for execution.
-        dims = [Dim("batch", b, DimKind.BATCH), Dim("in_channels", ci, DimKind.REDUCTION, splittable=not grouped),
+        # Spatial splits would need halo exchange, which DTensor cannot do, and its convolution rule
+        # mislabels the output of a split channel dim (torch 2.13): convolutions are split by batch only.
+        dims = [Dim("batch", b, DimKind.BATCH), Dim("in_channels", ci, DimKind.REDUCTION, splittable=False),
                 Dim("height", out[2], DimKind.SPATIAL, splittable=False),
                 Dim("width", out[3], DimKind.SPATIAL, splittable=False),
                 Dim("kernel_h", r, DimKind.REDUCTION, splittable=False),
                 Dim("kernel_w", s, DimKind.REDUCTION, splittable=False),
-                Dim("out_channels", co, DimKind.PARALLEL, splittable=not grouped)]
+                Dim("out_channels", co, DimKind.PARALLEL, splittable=False)]
         inputs = [self.operand(x, ["batch", "in_channels" if not grouped else None, "height", "width"], node.name)]
         wname = self._weight(w)
         if wname is None:

@@ -1,0 +1,228 @@
+"""Apply a plan to an ``nn.Module`` with DTensor.
+
+For a mesh of the plan's shape (``Plan.mesh_view``: every op's split dims get mesh axes):
+
+* every **parameter** becomes a DTensor placed as its op's configuration says: ``Shard(i)`` on the
+  mesh axes that split the dim mapped onto tensor axis ``i``, ``Replicate()`` on the others (a
+  batch split replicates the weights: data parallelism);
+* every **heavy module** (``Linear``, GPT-2's ``Conv1D``, ``Conv2d``, ``Embedding``) gets hooks that
+  redistribute its input to the layout its op reads and its output to the layout its op writes, so
+  partial sums are reduced where the plan reduces them and activations move only where consecutive
+  ops disagree;
+* the **model inputs** are sharded as the first op that reads them wants; everything between heavy
+  modules (norms, attention matmuls, residual adds) follows DTensor's own sharding propagation, and
+  plain tensors made inside the model (masks, positions) count as replicated;
+* **gradients** come out of DTensor's autograd as the parameters' placements: replicated weights get
+  their all-reduce, sharded ones stay sharded.
+
+The result computes what the single-device module computes (``tests/test_apply.py`` checks loss and
+every gradient). Plans the runtime cannot honour are refused before anything runs, with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from shardplan.cluster.mesh import MeshError, OpMesh
+from shardplan.ir.graph import Graph, Op, Operand
+from shardplan.plan import Plan, PlanError
+
+
+class ApplyError(ValueError):
+    """A plan, mesh or module that cannot be run together; the message says which and why."""
+
+
+_HOOKED = ("Linear", "Conv1D", "Conv2d", "Embedding")
+_RUNNABLE = {"fc", "einsum", "conv", "embedding", "elementwise"}
+
+
+def check(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[OpMesh]:
+    """Refuse, with the reason, a plan that does not belong to ``graph`` or cannot run on the mesh."""
+    if plan.model != graph.name or len(plan.ops) != len(graph.ops):
+        raise ApplyError(f"plan is for model {plan.model!r} ({len(plan.ops)} ops); this model is "
+                         f"{graph.name!r} ({len(graph.ops)} ops)")
+    for i, (p, op) in enumerate(zip(plan.ops, graph.ops)):
+        dims = tuple(d for d, _ in p.split)
+        if p.name != op.name or dims != op.dim_names:
+            raise ApplyError(f"plan op {i} is {p.name!r} with dims {dims}; the model has {op.name!r} with "
+                             f"dims {op.dim_names}")
+        for (d, f), dim in zip(p.split, op.dims):
+            if f > 1 and not dim.splittable:
+                raise ApplyError(f"op {op.name!r} cannot be split along {d!r} (asked for {f} ways): "
+                                 f"the runtime keeps that dim whole")
+            if f > 1 and dim.size % f:
+                raise ApplyError(f"op {op.name!r}: dim {d!r} of size {dim.size} does not split {f} ways evenly")
+        if op.kind not in _RUNNABLE and p.devices > 1 and any(
+                f > 1 and d != "batch" for d, f in p.split):
+            raise ApplyError(f"op {op.name!r} of kind {op.kind!r} can only be split by batch at run time")
+        if op.kind == "lstm":
+            raise ApplyError(f"op {op.name!r}: LSTMs have no DTensor sharding rule in torch 2.13; "
+                             f"plans with an LSTM cannot be run yet")
+    size = 1
+    for a in mesh_shape:
+        size *= a
+    if size != plan.devices:
+        raise ApplyError(f"mesh {'x'.join(map(str, mesh_shape))} has {size} devices; the plan is for "
+                         f"{plan.devices}")
+    try:
+        opmeshes = plan.mesh_view(graph, mesh_shape)[1]
+    except (MeshError, PlanError) as exc:
+        raise ApplyError(str(exc)) from None
+    for op, om in zip(graph.ops, opmeshes):
+        if op.kind != "conv":
+            continue
+        for operand in op.inputs + op.outputs:
+            dims = [p.dim for p in placements(operand, om, mesh_shape) if isinstance(p, Shard)]
+            if len(dims) != len(set(dims)):
+                raise ApplyError(f"op {op.name!r}: on mesh {'x'.join(map(str, mesh_shape))} one axis of "
+                                 f"{operand.tensor!r} would be split over two mesh axes, which DTensor's "
+                                 f"convolution does not support; plan on a 1-D mesh or split another dim")
+    return opmeshes
+
+
+def choose_mesh(graph: Graph, plan: Plan) -> tuple[int, ...]:
+    """The coarsest mesh every op of the plan lays on: (p,), then two axes, then p's prime factors.
+
+    Fewer axes means fewer dims split over several mesh axes, which DTensor's rules handle less often.
+    """
+    from shardplan.cluster.mesh import default_mesh
+
+    p = plan.devices
+    candidates = [(p,)] + [(a, p // a) for a in range(2, p) if p % a == 0] + [default_mesh(p)]
+    for shape in candidates:
+        try:
+            plan.mesh_view(graph, shape)
+            return shape
+        except (MeshError, PlanError):
+            continue
+    raise ApplyError(f"plan for {plan.model!r} does not lay on any mesh of {p} devices")
+
+
+def placements(operand: Operand, opmesh: OpMesh, mesh_shape: tuple[int, ...]) -> list:
+    """DTensor placements of one operand of an op laid on the mesh."""
+    out = []
+    for dim in opmesh.placements(mesh_shape):
+        axis = next((i for i, ax in enumerate(operand.axes) if dim is not None and dim in ax), None)
+        out.append(Replicate() if axis is None else Shard(axis))
+    return out
+
+
+def _to_layout(x, mesh: DeviceMesh, target):
+    if not isinstance(x, torch.Tensor) or target is None:
+        return x
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    if len(target) and x.ndim <= max((p.dim for p in target if isinstance(p, Shard)), default=-1):
+        return x
+    if tuple(x.placements) != tuple(target):
+        x = x.redistribute(mesh, target)
+    return x
+
+
+class ParallelModule(nn.Module):
+    """The module with distributed parameters; call it like the original, on full (global) inputs.
+
+    Run the backward pass inside ``with pm.context():`` too: plain tensors made by the model (masks,
+    positions) then count as replicated there as well.
+    """
+
+    def context(self):
+        return implicit_replication()
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, input_placements: dict):
+        super().__init__()
+        self.module = module
+        self.mesh = mesh
+        self.input_placements = input_placements
+
+    def forward(self, *args, **kwargs):
+        with implicit_replication():
+            kwargs = {k: self._input(k, v) for k, v in kwargs.items()}
+            args = tuple(self._input(f"arg{i}", v) for i, v in enumerate(args))
+            return self.module(*args, **kwargs)
+
+    def _input(self, name, value):
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            return value
+        target = self.input_placements.get(name, [Replicate()] * self.mesh.ndim)
+        return distribute_tensor(value, self.mesh, target)
+
+
+def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
+          input_names: dict[str, str] | None = None) -> ParallelModule:
+    """A :class:`ParallelModule` running ``module`` as ``plan`` (found for ``graph``) says, on ``mesh``.
+
+    ``input_names`` maps the forward's argument names to graph inputs where they differ (captured
+    graphs name their inputs after the forward's arguments already).
+    """
+    shape = tuple(mesh.shape)
+    opmeshes = check(graph, plan, shape)
+    placed: dict[str, list] = {}
+    wants: dict[str, list] = {}  # graph input -> placements of its first reader
+    hooks: dict[str, tuple] = {}
+    for op, om in zip(graph.ops, opmeshes):
+        for operand in op.inputs:
+            spec = graph.tensor(operand.tensor)
+            pl = placements(operand, om, shape)
+            if spec.is_param:
+                placed.setdefault(operand.tensor, pl)
+            elif graph.producer(operand.tensor) is None:
+                wants.setdefault(operand.tensor, pl)
+        if op.module and op.module == op.name:
+            acts = [o for o in op.inputs if not graph.tensor(o.tensor).is_param]
+            src = graph.tensor(acts[0].tensor) if acts else None
+            in_pl = placements(acts[0], om, shape) if acts else None
+            out_pl = placements(op.outputs[0], om, shape)
+            hooks[op.module] = (src.shape if src else None, in_pl, out_pl, graph.tensor(op.outputs[0].tensor).shape)
+    params = dict(module.named_parameters())
+    missing = [n for n in placed if n not in params]
+    if missing:
+        raise ApplyError(f"the module has no parameter {missing[0]!r} that the plan places; was the plan made "
+                         f"for another model?")
+    for name, param in params.items():
+        pl = placed.get(name, [Replicate()] * mesh.ndim)
+        owner, _, attr = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        setattr(sub, attr, nn.Parameter(distribute_tensor(param.detach(), mesh, pl),
+                                        requires_grad=param.requires_grad))
+    for fqn, (in_shape, in_pl, out_pl, out_shape) in hooks.items():
+        sub = module.get_submodule(fqn)
+        if type(sub).__name__ not in _HOOKED:
+            continue
+        sub.register_forward_pre_hook(_pre_hook(mesh, in_shape, in_pl))
+        if type(sub).__name__ == "Conv2d":
+            # DTensor's pooling rules lose the global shape of channel-sharded maps (torch 2.13):
+            # conv outputs keep only their batch split; the next conv re-shards (locally, no traffic)
+            out_pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in out_pl]
+        sub.register_forward_hook(_post_hook(mesh, out_shape, out_pl))
+    names = dict(input_names or {})
+    inputs = {names.get(k, k): v for k, v in wants.items()}
+    return ParallelModule(module, mesh, inputs)
+
+
+def _pre_hook(mesh, in_shape, target):
+    def hook(mod, args):
+        if not args or not isinstance(args[0], torch.Tensor) or target is None:
+            return None
+        x = args[0]
+        pl = target
+        if tuple(x.shape) != tuple(in_shape or ()) and (in_shape is None or x.ndim != len(in_shape)):
+            # a reshaped view of the planned tensor (a flatten, say): keep only the batch split
+            pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in target]
+        return (_to_layout(x, mesh, pl),) + tuple(args[1:])
+    return hook
+
+
+def _post_hook(mesh, out_shape, target):
+    def hook(mod, args, out):
+        if isinstance(out, DTensor):
+            if tuple(out.shape) == tuple(out_shape):
+                return out.redistribute(mesh, target) if tuple(out.placements) != tuple(target) else out
+            if any(p.is_partial() for p in out.placements):  # reduce partial sums at the op, as planned
+                return out.redistribute(mesh, [Replicate() if p.is_partial() else p for p in out.placements])
+        return out
+    return hook

@@ -1,0 +1,174 @@
+"""Plans applied with DTensor equal single-device training: 5 models x 4 plans x 2 and 4 ranks.
+
+The ranks are threads (torch's threaded process group), so no process is started. Each case runs
+one forward and backward pass in fp32 and compares the loss and every gradient with the
+single-device module (rtol 1e-5 of the gradient's largest entry).
+"""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("expecttest")
+
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from shardplan.capture import capture  # noqa: E402
+from shardplan.capture.models import build  # noqa: E402
+from shardplan.cluster import get_cluster  # noqa: E402
+from shardplan.cost.analytic import AnalyticCostModel  # noqa: E402
+from shardplan.cost.tables import build_tables  # noqa: E402
+from shardplan.execute import ApplyError, apply  # noqa: E402
+from shardplan.execute.apply import choose_mesh  # noqa: E402
+from shardplan.execute.threaded import run_threaded  # noqa: E402
+from shardplan.plan import Plan  # noqa: E402
+from shardplan.search.baselines import data_parallel  # noqa: E402
+from shardplan.search.solve import solve  # noqa: E402
+
+MODELS = ["torch_mlp", "torch_cnn", "gpt2", "llama", "bert"]
+PLANS = ["data_parallel", "tensor_parallel", "searched", "odd"]
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "query", "key", "value",
+          "intermediate.dense", "layers.0", "fc1")
+ROW = ("o_proj", "down_proj", "c_proj", "attention.output.dense", "output.dense", "layers.1", "fc2")
+
+
+def _config(tables, i, **split):
+    op = tables.graph.ops[i]
+    return tables.index_of(i, tuple(split.get(d.name, 1) for d in op.dims))
+
+
+def tensor_parallel(tables):
+    """Megatron's pattern on a captured graph: column-split first linears, row-split the second ones,
+    attention split by heads, everything else replicated (the CNN's convolutions included: the
+    runtime splits them by batch only)."""
+    p, choice = tables.devices, []
+    for i, op in enumerate(tables.graph.ops):
+        name = op.module or ""
+        kv = name.endswith(("k_proj", "v_proj"))  # GQA: 2 kv heads of 16 cannot split 4 ways
+        if op.kind == "fc" and name.endswith(COLUMN) and op.dim("out_features").size % p == 0 and not (
+                kv and op.dim("out_features").size // 16 % p):
+            choice.append(_config(tables, i, out_features=p))
+        elif op.kind == "fc" and name.endswith(ROW) and op.dim("in_features").size % p == 0:
+            choice.append(_config(tables, i, in_features=p))
+        elif op.kind == "einsum" and "heads" in op.dim_names:
+            choice.append(_config(tables, i, heads=p))
+        else:
+            choice.append(_config(tables, i))
+    return choice
+
+
+def odd(tables):
+    """Data parallel except one unusual split: the vocabulary (output features) of the last linear
+    layer, or for the CNN the input features of its first linear layer (partial sums over the
+    flattened feature map, reduced before the next layer)."""
+    p, choice = tables.devices, list(data_parallel(tables))
+    graph = tables.graph
+    last = max(i for i, op in enumerate(graph.ops) if op.kind == "fc")
+    if any(op.kind == "conv" for op in graph.ops):
+        first = min(i for i, op in enumerate(graph.ops) if op.kind == "fc")
+        choice[first] = _config(tables, first, in_features=p)
+    else:
+        choice[last] = _config(tables, last, out_features=p)
+    return choice
+
+
+@pytest.fixture(scope="module")
+def models():
+    out = {}
+    for name in MODELS:
+        torch.manual_seed(0)
+        module, kwargs = build(name)
+        module.eval()
+        graph = capture(module, (), kwargs, name=name)
+        result = module(**kwargs)
+        logits = getattr(result, "logits", result)
+        loss = logits.float().pow(2).mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+        module.zero_grad(set_to_none=True)
+        out[name] = (module, kwargs, graph, loss.item(), grads)
+    return out
+
+
+def make_plan(graph, which, devices):
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=devices)), devices)
+    choice = {"data_parallel": lambda: data_parallel(tables), "tensor_parallel": lambda: tensor_parallel(tables),
+              "searched": lambda: solve(tables).choice, "odd": lambda: odd(tables)}[which]()
+    return Plan.from_choice(tables, list(choice))
+
+
+def run_plan(module, kwargs, graph, plan, devices):
+    shape = choose_mesh(graph, plan)
+
+    def rank_fn(rank):
+        local = copy.deepcopy(module)
+        pm = apply(local, graph, plan, init_device_mesh("cpu", shape))
+        result = pm(**kwargs)
+        logits = getattr(result, "logits", result)
+        full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        loss = full.float().pow(2).mean()
+        with pm.context():
+            loss.backward()
+        grads = {}
+        for n, p in local.named_parameters():
+            if p.grad is not None:
+                grads[n] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        return loss.item(), grads
+
+    return run_threaded(devices, rank_fn)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("which", PLANS)
+@pytest.mark.parametrize("name", MODELS)
+def test_plan_matches_single_device(models, name, which, devices):
+    module, kwargs, graph, ref_loss, ref_grads = models[name]
+    plan = make_plan(graph, which, devices)
+    if which != "searched":
+        assert any(op.devices > 1 for op in plan.ops), "the plan must actually split something"
+    results = run_plan(module, kwargs, graph, plan, devices)
+    # Some gradients are zero in exact arithmetic (BERT's key bias: softmax ignores a constant
+    # shift) and only rounding noise in fp32, so the absolute floor is set by the model's largest.
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    for loss, grads in results:
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert set(grads) == set(ref_grads)
+        for n, g in grads.items():
+            assert torch.allclose(g, ref_grads[n], rtol=1e-5, atol=1e-6 * scale), n
+
+
+def test_plan_of_another_model_is_refused(models):
+    _, _, mlp_graph, _, _ = models["torch_mlp"]
+    llama, _, llama_graph, _, _ = models["llama"]
+    plan = make_plan(mlp_graph, "data_parallel", 2)
+    with pytest.raises(ApplyError, match="torch_mlp"):
+        from shardplan.execute.apply import check
+        check(llama_graph, plan, (2,))
+
+
+def test_mesh_size_mismatch_is_refused(models):
+    from shardplan.execute.apply import check
+
+    graph = models["llama"][2]
+    plan = make_plan(graph, "data_parallel", 4)
+    with pytest.raises(ApplyError, match="mesh 2 has 2 devices; the plan is for 4"):
+        check(graph, plan, (2,))
+
+
+def test_unsplittable_dim_is_refused(models):
+    """Spatial splits of a convolution need halo exchange, which the runtime lacks: refused by name."""
+    from shardplan.execute.apply import check
+    from shardplan.plan import OpPlan
+
+    graph = models["torch_cnn"][2]
+    plan = make_plan(graph, "data_parallel", 2)
+    ops = list(plan.ops)
+    conv = ops[0]
+    ops[0] = OpPlan(conv.name, conv.kind, tuple((d, 2 if d == "height" else 1) for d, _ in conv.split))
+    bad = Plan(**{**plan.__dict__, "ops": tuple(ops)})
+    with pytest.raises(ApplyError, match="'conv1' cannot be split along 'height'"):
+        check(graph, bad, (2,))
