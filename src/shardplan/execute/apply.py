@@ -42,6 +42,12 @@ _RUNNABLE = {"fc", "einsum", "conv", "embedding", "elementwise"}
 
 def check(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[OpMesh]:
     """Refuse, with the reason, a plan that does not belong to ``graph`` or cannot run on the mesh."""
+    check_model(graph, plan)
+    return _check_mesh(graph, plan, mesh_shape)
+
+
+def check_model(graph: Graph, plan: Plan) -> None:
+    """Refuse a plan made for another model, or one asking for splits the runtime cannot do."""
     if plan.model != graph.name or len(plan.ops) != len(graph.ops):
         raise ApplyError(f"plan is for model {plan.model!r} ({len(plan.ops)} ops); this model is "
                          f"{graph.name!r} ({len(graph.ops)} ops)")
@@ -62,6 +68,9 @@ def check(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[OpMesh]
         if op.kind == "lstm":
             raise ApplyError(f"op {op.name!r}: LSTMs have no DTensor sharding rule in torch 2.13; "
                              f"plans with an LSTM cannot be run yet")
+
+
+def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[OpMesh]:
     size = 1
     for a in mesh_shape:
         size *= a
@@ -91,6 +100,7 @@ def choose_mesh(graph: Graph, plan: Plan) -> tuple[int, ...]:
     """
     from shardplan.cluster.mesh import default_mesh
 
+    check_model(graph, plan)
     p = plan.devices
     candidates = [(p,)] + [(a, p // a) for a in range(2, p) if p % a == 0] + [default_mesh(p)]
     for shape in candidates:

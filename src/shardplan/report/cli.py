@@ -170,6 +170,57 @@ def _print(plan: Plan, graph, details, solution, limit, tables) -> None:
         console.print(f"speedup over {name}: {d['speedup']:.3f}x  ({name} cost {d['cost']:.6g}{fits})")
 
 
+def _run(args: argparse.Namespace) -> int:
+    """``shardplan run``: plan (or load a plan), refuse bad ones, torchrun the steps, report."""
+    _positive("--steps", args.steps)
+    _positive("--batch", args.batch)
+    _positive("--seq", args.seq)
+    model_name = args.hf or args.model
+    if not model_name:
+        raise UsageError("give --model NAME or --hf NAME")
+    try:
+        from shardplan.execute.apply import ApplyError
+        from shardplan.execute.launch import launch, prepare
+    except ImportError as exc:
+        raise UsageError(f"shardplan run needs PyTorch: pip install 'shardplan[torch]' ({exc})") from None
+    from shardplan.plan import PlanError
+
+    cost_model, cluster, devices = _cost_model(args)
+    try:
+        graph, plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model,
+                                         args.plan)
+    except (ApplyError, PlanError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        result = launch(model_name, args.hf_config, args.batch, args.seq, plan, args.steps, args.check)
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    out = {"model": model_name, "devices": devices, "cluster": cluster.name if cluster else None,
+           "cost_model": cost_model.name, "predicted_step_seconds": predicted,
+           "measured_step_seconds": result.get("measured_step_seconds"), "steps": args.steps,
+           "step_seconds": result.get("step_seconds"), "ok": result.get("ok"),
+           "errors": result.get("rank_errors", []), "plan": plan.to_dict()["layers"]}
+    if args.check:
+        out["check"] = result.get("check", {"passed": False, "max_rel_diff": None})
+    if args.json == "-":
+        print(json.dumps(out))
+    else:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+        print(f"{model_name} on {devices} ranks: measured {out['measured_step_seconds']} s/step, predicted "
+              f"{predicted:.4g} s/step ({cost_model.name} on {out['cluster']})")
+        if args.check:
+            c = out["check"]
+            print(f"check against single device: {'passed' if c.get('passed') else 'FAILED'} "
+                  f"(max relative difference {c.get('max_rel_diff')})")
+        for e in out["errors"]:
+            print(f"  {e}")
+    if not result.get("ok") or (args.check and not out["check"].get("passed")):
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardplan", description="Plan parallel training of a network.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -192,6 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds; past it the best plan so far is returned, flagged not optimal")
     p.add_argument("--json", default=None, help="write the plan as JSON to FILE, or - for stdout")
+    r = sub.add_parser("run", help="train K steps of a plan with torchrun and compare with the prediction")
+    r.add_argument("--model", default=None, help="torch_mlp, torch_cnn, gpt2, llama or bert (small configs)")
+    r.add_argument("--hf", default=None, help="a Hugging Face family (small default config; see --hf-config)")
+    r.add_argument("--hf-config", default="", help="config overrides, e.g. hidden_size=128,num_hidden_layers=4")
+    r.add_argument("--devices", type=int, default=2)
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--batch", type=int, default=4)
+    r.add_argument("--seq", type=int, default=16)
+    r.add_argument("--plan", default=None, help="plan JSON from `shardplan plan --json FILE` (default: search)")
+    r.add_argument("--check", action="store_true", help="compare loss and gradients with a single-device run")
+    r.add_argument("--cluster", default=None, help=f"cluster to predict on (default {DEFAULT_CLUSTER})")
+    r.add_argument("--nodes", type=int, default=None)
+    r.add_argument("--cost-model", default="analytic")
+    r.add_argument("--json", default=None, help="write the result as JSON to FILE, or - for stdout")
     sub.add_parser("models", help="list built-in models")
     sub.add_parser("clusters", help="list built-in clusters")
     args = parser.parse_args(argv)
@@ -207,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {DESCRIPTIONS[name]} ({c.device.peak_flops / 1e12:g} TFLOP/s, "
                       f"{c.device.memory_bytes / 1e9:g} GB; {lv})")
             return 0
+        if args.command == "run":
+            return _run(args)
         return _plan(args)
     except UsageError as exc:
         print(f"shardplan: error: {exc}", file=sys.stderr)

@@ -1,0 +1,71 @@
+"""``shardplan run``: check a plan against a model, launch torchrun, and report measured vs predicted."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+from shardplan.capture import capture
+from shardplan.capture.models import HF_MODELS, TORCH_MODELS, build, parse_config
+from shardplan.cost.tables import build_tables
+from shardplan.execute.apply import ApplyError, check, choose_mesh
+from shardplan.plan import Plan, PlanError
+from shardplan.search.solve import solve
+
+RUNNABLE = tuple(m for m in TORCH_MODELS + HF_MODELS if m not in ("lstm_lm", "mixtral"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_model, plan_file: str | None):
+    """(graph, plan, predicted seconds) after every check that can fail before a process starts."""
+    if model not in RUNNABLE:
+        raise ApplyError(f"shardplan run knows models {', '.join(RUNNABLE)}; got {model!r}")
+    module, kwargs = build(model, batch=batch, seq=seq, **parse_config(config))
+    graph = capture(module, (), kwargs, name=model)
+    tables = build_tables(graph, cost_model, devices)
+    if plan_file:
+        plan = Plan.load(plan_file)
+        if plan.devices != devices:
+            check(graph, plan, (devices,))  # names the model mismatch first, else the device count
+        check(graph, plan, choose_mesh(graph, plan))
+        choice = plan.to_choice(tables)
+    else:
+        choice = list(solve(tables).choice)
+        plan = Plan.from_choice(tables, choice, method="exact")
+        check(graph, plan, choose_mesh(graph, plan))
+    return graph, plan, tables.cost_of(choice)
+
+
+def launch(model: str, config: str, batch: int, seq: int, plan: Plan, steps: int, do_check: bool,
+           timeout_s: float = 600.0) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = os.path.join(tmp, "plan.json")
+        out_path = os.path.join(tmp, "result.json")
+        with open(plan_path, "w") as fh:
+            fh.write(plan.to_json())
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.devices),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               "-m", "shardplan.execute.worker", "--model", model, "--config", config or "",
+               "--batch", str(batch), "--seq", str(seq), "--plan", plan_path, "--steps", str(steps),
+               "--out", out_path] + (["--check"] if do_check else [])
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        if not os.path.exists(out_path):
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+            raise RuntimeError(f"torchrun exited with {proc.returncode} and no result:\n{tail}")
+        with open(out_path) as fh:
+            result = json.load(fh)
+        for name in os.listdir(tmp):
+            if name.startswith("result.json.rank"):
+                with open(os.path.join(tmp, name)) as fh:
+                    result["rank_errors"] += json.load(fh).get("rank_errors", [])
+    return result
