@@ -38,3 +38,17 @@ def test_unknown_or_unrunnable_model_is_refused(capsys):
     assert main(["run", "--model", "lstm_lm", "--devices", "2"]) == 2
     assert "lstm_lm" in capsys.readouterr().err
     assert main(["run", "--devices", "2"]) == 2
+
+
+def test_calibrate_writes_a_cluster_file(tmp_path):
+    from shardplan.cluster import load_cluster
+
+    out = tmp_path / "here.yaml"
+    proc = subprocess.run([sys.executable, "-m", "shardplan.report.cli", "calibrate", "--devices", "2",
+                           "--reps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cluster = load_cluster(str(out))
+    assert cluster.device.peak_flops > 1e8  # any CPU does more than 0.1 GFLOP/s
+    assert cluster.device.memory_bandwidth > 1e8
+    assert cluster.levels[0].fanout == 2
+    assert cluster.levels[0].bandwidth > 0 and cluster.levels[0].latency >= 0

@@ -221,6 +221,36 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    """``shardplan calibrate``: torchrun the measurements on N ranks and write a cluster file."""
+    _positive("--devices", args.devices)
+    import os
+    import subprocess
+
+    from shardplan.cluster import load_cluster
+
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"shardplan calibrate needs PyTorch: pip install 'shardplan[torch]' ({exc})") from None
+    from shardplan.execute.launch import _free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.devices),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m",
+           "shardplan.execute.calibrate", "--out", args.out, "--reps", str(args.reps)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if proc.returncode != 0 or not os.path.exists(args.out):
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise UsageError(f"calibration failed (torchrun exit {proc.returncode}):\n{tail}")
+    c = load_cluster(args.out)
+    lv = c.levels[0]
+    print(f"wrote {args.out}: {c.device.peak_flops / 1e9:.3g} GFLOP/s matmul per rank, "
+          f"{c.device.memory_bandwidth / 1e9:.3g} GB/s memory, {lv.fanout} ranks: all-reduce "
+          f"{lv.bandwidth / 1e9:.3g} GB/s, latency {lv.latency * 1e6:.3g} us")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardplan", description="Plan parallel training of a network.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -257,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--nodes", type=int, default=None)
     r.add_argument("--cost-model", default="analytic")
     r.add_argument("--json", default=None, help="write the result as JSON to FILE, or - for stdout")
+    c = sub.add_parser("calibrate", help="measure this machine and the process group; write a cluster file")
+    c.add_argument("--devices", type=int, default=2, help="ranks to measure with (default 2)")
+    c.add_argument("--out", default="calibrated.yaml", help="cluster file to write")
+    c.add_argument("--reps", type=int, default=5)
     sub.add_parser("models", help="list built-in models")
     sub.add_parser("clusters", help="list built-in clusters")
     args = parser.parse_args(argv)
@@ -272,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {DESCRIPTIONS[name]} ({c.device.peak_flops / 1e12:g} TFLOP/s, "
                       f"{c.device.memory_bytes / 1e9:g} GB; {lv})")
             return 0
+        if args.command == "calibrate":
+            return _calibrate(args)
         if args.command == "run":
             return _run(args)
         return _plan(args)
