@@ -184,3 +184,26 @@ def test_presets_scale():
     c = get_cluster("dgx-h100", nodes=16)
     assert c.num_devices == 128 and c.devices_per_node == 8
     assert get_cluster("dgx-a100", devices=1024).num_devices == 1024
+
+
+def test_op_overhead_is_charged_per_pass():
+    """A calibrated dispatch overhead o adds 3 o to a contraction (forward + 2 backward) and 2 o to
+    other priced ops, whatever the configuration."""
+    import dataclasses
+
+    import numpy as np
+
+    from shardplan.cluster import get_cluster
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.tables import build_tables
+    from shardplan.zoo import build_model
+
+    graph = build_model("mlp")
+    base = get_cluster("dgx-a100", devices=8)
+    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, op_overhead=1e-3))
+    t0 = build_tables(graph, AnalyticCostModel(base), 8)
+    t1 = build_tables(graph, AnalyticCostModel(slow), 8)
+    for op, n0, n1 in zip(graph.ops, t0.nodes, t1.nodes):
+        extra = {"fc": 3e-3, "softmax_xent": 2e-3}.get(op.kind)
+        if extra is not None:
+            assert np.allclose(n1.compute - n0.compute, extra), op.name

@@ -25,56 +25,12 @@ from shardplan.execute import ApplyError, apply  # noqa: E402
 from shardplan.execute.apply import choose_mesh  # noqa: E402
 from shardplan.execute.threaded import run_threaded  # noqa: E402
 from shardplan.plan import Plan  # noqa: E402
+from shardplan.execute.plans import odd, tensor_parallel  # noqa: E402
 from shardplan.search.baselines import data_parallel  # noqa: E402
 from shardplan.search.solve import solve  # noqa: E402
 
 MODELS = ["torch_mlp", "torch_cnn", "gpt2", "llama", "bert"]
 PLANS = ["data_parallel", "tensor_parallel", "searched", "odd"]
-
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "query", "key", "value",
-          "intermediate.dense", "layers.0", "fc1")
-ROW = ("o_proj", "down_proj", "c_proj", "attention.output.dense", "output.dense", "layers.1", "fc2")
-
-
-def _config(tables, i, **split):
-    op = tables.graph.ops[i]
-    return tables.index_of(i, tuple(split.get(d.name, 1) for d in op.dims))
-
-
-def tensor_parallel(tables):
-    """Megatron's pattern on a captured graph: column-split first linears, row-split the second ones,
-    attention split by heads, everything else replicated (the CNN's convolutions included: the
-    runtime splits them by batch only)."""
-    p, choice = tables.devices, []
-    for i, op in enumerate(tables.graph.ops):
-        name = op.module or ""
-        kv = name.endswith(("k_proj", "v_proj"))  # GQA: 2 kv heads of 16 cannot split 4 ways
-        if op.kind == "fc" and name.endswith(COLUMN) and op.dim("out_features").size % p == 0 and not (
-                kv and op.dim("out_features").size // 16 % p):
-            choice.append(_config(tables, i, out_features=p))
-        elif op.kind == "fc" and name.endswith(ROW) and op.dim("in_features").size % p == 0:
-            choice.append(_config(tables, i, in_features=p))
-        elif op.kind == "einsum" and "heads" in op.dim_names:
-            choice.append(_config(tables, i, heads=p))
-        else:
-            choice.append(_config(tables, i))
-    return choice
-
-
-def odd(tables):
-    """Data parallel except one unusual split: the vocabulary (output features) of the last linear
-    layer, or for the CNN the input features of its first linear layer (partial sums over the
-    flattened feature map, reduced before the next layer)."""
-    p, choice = tables.devices, list(data_parallel(tables))
-    graph = tables.graph
-    last = max(i for i, op in enumerate(graph.ops) if op.kind == "fc")
-    if any(op.kind == "conv" for op in graph.ops):
-        first = min(i for i, op in enumerate(graph.ops) if op.kind == "fc")
-        choice[first] = _config(tables, first, in_features=p)
-    else:
-        choice[last] = _config(tables, last, out_features=p)
-    return choice
-
 
 @pytest.fixture(scope="module")
 def models():

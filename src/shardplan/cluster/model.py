@@ -42,12 +42,17 @@ class Device:
     memory_bandwidth: float  # bytes/s to device memory
     efficiency: float = 1.0
     """Fraction of peak a large matmul reaches (calibration sets it; 1.0 = the datasheet)."""
+    op_overhead: float = 0.0
+    """Seconds of host-side dispatch per op and pass (kernel launch, DTensor sharding propagation);
+    0 for the datasheet presets, measured by ``shardplan calibrate``."""
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "memory_bytes", "memory_bandwidth"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ClusterError(f"device.{f} must be a positive number, got {v!r}")
+        if not isinstance(self.op_overhead, (int, float)) or self.op_overhead < 0:
+            raise ClusterError(f"device.op_overhead must be a non-negative number, got {self.op_overhead!r}")
         if not 0 < self.efficiency <= 1:
             raise ClusterError(f"device.efficiency must be in (0, 1], got {self.efficiency!r}")
 

@@ -76,7 +76,7 @@ def get_cluster(name_or_path: str, nodes: int | None = None, devices: int | None
 
 
 _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memory_bandwidth": float,
-                  "efficiency": float}
+                  "efficiency": float, "op_overhead": float}
 _LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float}
 
 

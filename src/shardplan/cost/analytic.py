@@ -120,7 +120,7 @@ class AnalyticCostModel:
         factor = 3.0 if op.kind in CONTRACTIONS else 2.0
         flops = 0.0 if op.kind == "embedding" else op.flops  # a lookup is a gather, not a GEMM
         compute = np.maximum(factor * flops / procs / (dev.peak_flops * dev.efficiency),
-                             factor * sum(tiles) / dev.memory_bandwidth)
+                             factor * sum(tiles) / dev.memory_bandwidth) + factor * dev.op_overhead
 
         comm = np.zeros(K)
         split = c > 1

@@ -5,6 +5,9 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
 * **compute**: fp32 matmul FLOP/s per rank, all ranks busy at once (``2 n^3`` FLOPs per ``n x n``
   product, the median of several), written as ``peak_flops`` with efficiency 1;
 * **memory bandwidth**: bytes read plus written by a 64 MB copy per second;
+* **op overhead**: forward + backward of a stack of tiny DTensor linear layers (ReLU between them)
+  on the mesh of all ranks, divided by 3 x the layer count (the cost model charges a contraction
+  3 passes): the host-side dispatch each op costs however small it is;
 * **network**: all-reduce times of a small and a large message, fitted to the ring model the cost
   model uses, ``t = 2 (p-1) alpha + 2 (p-1)/p * n / beta`` (``cluster.model.collective_seconds``):
   alpha from the small message, beta from the large one.
@@ -37,6 +40,27 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _op_overhead(p: int, reps: int, layers: int = 16) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    mesh = init_device_mesh("cpu", (p,))
+    weights = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])) for _ in range(layers)]
+    x = distribute_tensor(torch.randn(2 * p, 8), mesh, [Shard(0)])
+
+    def step():
+        with implicit_replication():
+            h = x
+            for w in weights:
+                h = torch.relu(torch.nn.functional.linear(h, w))
+            h.sum().backward()
+        for w in weights:
+            w.grad = None
+
+    return _median_time(step, reps) / (3.0 * layers)
+
+
 def measure(reps: int = 5, n: int = 512) -> dict:
     p = dist.get_world_size()
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -55,18 +79,20 @@ def measure(reps: int = 5, n: int = 512) -> dict:
         beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
     else:
         alpha, beta = 0.0, float("inf")
+    overhead = _op_overhead(p, reps)
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor([flops, mem_bw])
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
-            "latency": alpha, "bandwidth": beta, "matmul_n": n,
+            "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
             "seconds": {"mm": t_mm, "copy": t_copy, "all_reduce_1KB": t_small, "all_reduce_16MB": t_large}}
 
 
 def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
     return {"name": name,
             "device": {"name": "cpu-rank", "peak_flops": m["matmul_flops"], "memory_bytes": memory_bytes,
-                       "memory_bandwidth": m["memory_bandwidth"], "efficiency": 1.0},
+                       "memory_bandwidth": m["memory_bandwidth"], "efficiency": 1.0,
+                       "op_overhead": m["op_overhead"]},
             "levels": [{"name": "process group", "fanout": m["world_size"],
                         "bandwidth": m["bandwidth"] if m["bandwidth"] != float("inf") else 1e12,
                         "latency": m["latency"]}]}

@@ -1,0 +1,99 @@
+"""Predicted vs measured step time of several plans on this machine (prints a table, not a test).
+
+    python benchmarks/fidelity.py [--devices 2] [--steps 5] [--cluster FILE]
+
+Without ``--cluster`` it first runs ``shardplan calibrate`` on the same number of ranks. For one
+transformer (HF Llama, small config) and one CNN, six plans each (data parallel, tensor parallel,
+the searched plan, an odd split, fully replicated, tensor parallel only in the MLP) are written as
+plan files and run with ``shardplan run --check``. Prints predicted and measured seconds per step,
+their ratio, whether the numerics matched, and Kendall's tau between the two rankings per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from shardplan.capture import capture
+from shardplan.capture.models import build, parse_config
+from shardplan.cluster import load_cluster
+from shardplan.cost.analytic import AnalyticCostModel
+from shardplan.cost.tables import build_tables
+from shardplan.execute.plans import mixed, odd, replicated, tensor_parallel
+from shardplan.plan import Plan
+from shardplan.search.baselines import data_parallel
+from shardplan.search.solve import solve
+
+MODELS = {
+    "llama": "hidden_size=256,intermediate_size=1024,num_hidden_layers=4,num_attention_heads=16,"
+             "num_key_value_heads=16,vocab_size=2048",
+    "torch_cnn": "channels=32",
+}
+BATCH, SEQ = 8, 64
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            x, y = a[i] - a[j], b[i] - b[j]
+            s += (x > 0) - (x < 0) if y > 0 else ((x < 0) - (x > 0) if y < 0 else 0)
+    pairs = n * (n - 1) / 2
+    return s / pairs if pairs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--cluster", default=None)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="fidelity-")
+    cluster_file = args.cluster or os.path.join(tmp, "calibrated.yaml")
+    if not args.cluster:
+        subprocess.run([sys.executable, "-m", "shardplan.report.cli", "calibrate", "--devices",
+                        str(args.devices), "--out", cluster_file], check=True)
+    cluster = load_cluster(cluster_file)
+    model = AnalyticCostModel(cluster)
+    print(f"| model | plan | predicted s | measured s | measured / predicted | check |")
+    print("|---|---|---|---|---|---|")
+    summary = []
+    for name, config in MODELS.items():
+        kw = parse_config(config)
+        module, kwargs = build(name, batch=BATCH, seq=SEQ, **kw)
+        graph = capture(module, (), kwargs, name=name)
+        tables = build_tables(graph, model, args.devices)
+        plans = {"data_parallel": data_parallel(tables), "tensor_parallel": tensor_parallel(tables),
+                 "searched": solve(tables).choice, "odd": odd(tables), "replicated": replicated(tables),
+                 "mlp_tensor_parallel": mixed(tables)}
+        pred, meas = [], []
+        for pname, choice in plans.items():
+            path = os.path.join(tmp, f"{name}-{pname}.json")
+            with open(path, "w") as fh:
+                fh.write(Plan.from_choice(tables, list(choice)).to_json())
+            cmd = [sys.executable, "-m", "shardplan.report.cli", "run", "--model", name, "--hf-config", config,
+                   "--devices", str(args.devices), "--steps", str(args.steps), "--batch", str(BATCH), "--seq",
+                   str(SEQ), "--plan", path, "--cluster", cluster_file, "--check", "--json", "-"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                out = json.loads(proc.stdout.strip().splitlines()[-1])
+            except (IndexError, json.JSONDecodeError):
+                print(f"| {name} | {pname} | - | - | - | failed: {proc.stderr.strip().splitlines()[-1:]} |")
+                continue
+            p, m = out["predicted_step_seconds"], out["measured_step_seconds"]
+            pred.append(p)
+            meas.append(m)
+            ok = out.get("check", {}).get("passed")
+            print(f"| {name} | {pname} | {p:.4g} | {m:.4g} | {m / p:.2f} | {'passed' if ok else 'FAILED'} |",
+                  flush=True)
+        summary.append((name, kendall_tau(pred, meas), len(pred)))
+    for name, tau, n in summary:
+        print(f"{name}: Kendall tau over {n} plans = {tau:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Hand-made plans on captured graphs, for tests and the fidelity benchmark (torch-free).
+
+``tensor_parallel`` is Megatron's pattern expressed on a captured graph: first linears of a block
+split by output features, second ones by input features, attention by heads. ``odd`` is data
+parallel plus one unusual split (the LM head's vocabulary, or the CNN's first linear split-K).
+``replicated`` runs everything everywhere. ``mixed`` is tensor parallel in the MLP blocks and data
+parallel elsewhere.
+"""
+
+from __future__ import annotations
+
+from shardplan.cost.tables import CostTables
+from shardplan.search.baselines import data_parallel
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "query", "key", "value",
+          "intermediate.dense", "layers.0", "fc1")
+ROW = ("o_proj", "down_proj", "c_proj", "attention.output.dense", "output.dense", "layers.1", "fc2")
+MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "mlp.c_fc", "mlp.c_proj", "intermediate.dense", "fc1", "fc2")
+HEAD_DIM = 16  # the head size of shardplan.capture.models' small HF configs
+
+
+def _config(tables: CostTables, i: int, **split) -> int:
+    op = tables.graph.ops[i]
+    return tables.index_of(i, tuple(split.get(d.name, 1) for d in op.dims))
+
+
+def _tp_choice(tables: CostTables, i: int) -> int | None:
+    p, op = tables.devices, tables.graph.ops[i]
+    name = op.module or ""
+    kv = name.endswith(("k_proj", "v_proj"))  # GQA: do not split k/v finer than their heads
+    if op.kind == "fc" and name.endswith(COLUMN) and op.dim("out_features").size % p == 0 and not (
+            kv and op.dim("out_features").size // HEAD_DIM % p):
+        return _config(tables, i, out_features=p)
+    if op.kind == "fc" and name.endswith(ROW) and op.dim("in_features").size % p == 0:
+        return _config(tables, i, in_features=p)
+    if op.kind == "einsum" and "heads" in op.dim_names and op.dim("heads").size % p == 0:
+        return _config(tables, i, heads=p)
+    return None
+
+
+def tensor_parallel(tables: CostTables) -> list[int]:
+    out = []
+    for i in range(len(tables.graph.ops)):
+        c = _tp_choice(tables, i)
+        out.append(_config(tables, i) if c is None else c)
+    return out
+
+
+def mixed(tables: CostTables) -> list[int]:
+    """Tensor parallel inside MLP blocks, data parallel everywhere else."""
+    choice = list(data_parallel(tables))
+    for i, op in enumerate(tables.graph.ops):
+        if (op.module or "").endswith(MLP_PARTS):
+            c = _tp_choice(tables, i)
+            if c is not None:
+                choice[i] = c
+    return choice
+
+
+def replicated(tables: CostTables) -> list[int]:
+    return [_config(tables, i) for i in range(len(tables.graph.ops))]
+
+
+def odd(tables: CostTables) -> list[int]:
+    p, choice = tables.devices, list(data_parallel(tables))
+    graph = tables.graph
+    fcs = [i for i, op in enumerate(graph.ops) if op.kind == "fc"]
+    if any(op.kind == "conv" for op in graph.ops):
+        choice[fcs[0]] = _config(tables, fcs[0], in_features=p)
+    else:
+        choice[fcs[-1]] = _config(tables, fcs[-1], out_features=p)
+    return choice
