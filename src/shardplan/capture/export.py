@@ -7,7 +7,8 @@ once, in order:
   ``matmul``/``bmm`` and scaled-dot-product attention (kind ``einsum``), ``conv2d`` (``conv``),
   ``embedding`` and ``lstm``. Their FLOPs are the forward multiply-adds x 2, the count
   ``torch.utils.flop_counter`` uses.
-* **Cheap ops** (elementwise, norms, softmax, dropout, casts, views, transposes, slices) are folded:
+* **Cheap ops** (elementwise, norms, softmax, dropout, casts, views, transposes, slices) are folded
+  (the axis bookkeeping is in ``capture.axes``):
   each value remembers which IR tensor it comes from and, per axis, which axes of that tensor make it
   up (an *axis map*). A view that splits ``(b, l, h*k)`` into ``(b, l, h, k)`` keeps the link between
   the heads and the producer's output features, so the search sees Megatron's head split.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from shardplan.capture.axes import dim_arg, map_axes
 from shardplan.ir.graph import Dim, DimKind, Graph, GraphError, Op, Operand, TensorSpec
 
 
@@ -36,24 +38,20 @@ class CaptureError(ValueError):
     """A module that cannot be captured; the message names the op and the module."""
 
 
-aten = torch.ops.aten
-
-# Ops folded into their neighbours because they keep the shape of their main input.
-_SAME_SHAPE = {
-    "relu", "gelu", "silu", "sigmoid", "tanh", "dropout", "native_dropout", "softmax", "_softmax",
-    "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm", "rms_norm", "batch_norm",
-    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "group_norm",
-    "to", "_to_copy", "type_as", "contiguous", "clone", "alias", "detach", "neg", "rsqrt", "sqrt",
-    "pow", "exp", "log", "abs", "erf", "masked_fill", "hardtanh", "leaky_relu", "elu", "mul", "div",
-    "add", "sub", "where", "scaled_dot_product_attention_math", "lift_fresh_copy", "fill", "zeros_like",
-    "ones_like", "cumsum", "clamp", "square", "reciprocal", "gelu_", "relu_", "hardswish",
-}
-_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "permute", "transpose", "t",
-          "unsqueeze", "squeeze", "select", "slice", "split", "split_with_sizes", "chunk", "unbind",
-          "mean", "sum", "amax", "max", "contiguous", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d",
-          "max_pool2d_with_indices", "cat"}
 _HEAVY = {"linear", "addmm", "mm", "matmul", "bmm", "conv2d", "convolution", "embedding",
           "scaled_dot_product_attention", "lstm", "conv1d", "conv3d", "einsum", "baddbmm"}
+
+
+def _unique(dims: list[Dim]) -> list[Dim]:
+    """The dims with names made unique within the op (a second ``batch`` becomes ``batch_``)."""
+    seen, out = set(), []
+    for d in dims:
+        nm = d.name
+        while nm in seen:
+            nm += "_"
+        seen.add(nm)
+        out.append(Dim(nm, d.size, d.kind, d.splittable))
+    return out
 
 
 def _base(target) -> str:
@@ -71,40 +69,6 @@ class _Val:
     amap: tuple[tuple[int, ...], ...] = ()  # per axis of this value: axes of ``source`` composing it
     params: tuple[str, ...] = ()  # parameters of folded ops on the way
     parts: list = field(default_factory=list)  # for multi-output nodes (split, lstm): one _Val each
-
-
-def _view_map(in_shape, out_shape) -> list[tuple[int, ...]]:
-    """For a reshape: per output axis, the input axes it is made of (major first); () if unknown."""
-    out: list[tuple[int, ...]] = [()] * len(out_shape)
-    i = j = 0
-    while i < len(in_shape) or j < len(out_shape):
-        if i < len(in_shape) and in_shape[i] == 1:
-            i += 1
-            continue
-        if j < len(out_shape) and out_shape[j] == 1:
-            j += 1
-            continue
-        if i >= len(in_shape) or j >= len(out_shape):
-            break
-        gi, gj = [i], [j]
-        pi, pj = in_shape[i], out_shape[j]
-        while pi != pj:
-            if pi < pj:
-                i += 1
-                gi.append(i)
-                pi *= in_shape[i]
-            else:
-                j += 1
-                gj.append(j)
-                pj *= out_shape[j]
-        ins = tuple(a for a in gi if in_shape[a] > 1)
-        outs = [b for b in gj if out_shape[b] > 1]
-        if len(ins) == 1 or len(outs) == 1:  # a pure split or a pure merge
-            for b in outs:
-                out[b] = ins
-        i += 1
-        j += 1
-    return out
 
 
 def _labels_for_input(shape, is_float: bool) -> tuple[str, ...]:
@@ -165,7 +129,7 @@ class _Capture:
             return self.vals.get(arg.name, _Val(None))
         return _Val(None)
 
-    def operand(self, arg, dims: list[str | None], consumer: str) -> Operand | None:
+    def operand(self, arg, dims: list[str | None]) -> Operand | None:
         """Operand on the IR source of ``arg`` whose value axes are ``dims`` in the consumer."""
         v = self.val(arg)
         if v.source is None:
@@ -183,11 +147,16 @@ class _Capture:
         return Operand(v.source, tuple(tuple(ax) for ax in per_axis))
 
     def attach(self, args, consumer_inputs: list[Operand]) -> None:
+        """Parameters of the cheap ops folded into ``args``, replicated, on the consuming op."""
         for a in args:
-            for p in self.val(a).params:
-                if p not in self.attached:
-                    self.attached.add(p)
-                    consumer_inputs.append(Operand(p, tuple(() for _ in self.tensors[p].shape)))
+            self.attach_params(self.val(a).params, consumer_inputs)
+
+    def attach_params(self, params, consumer_inputs: list[Operand]) -> None:
+        """Each parameter joins (replicated) the first op that consumes it, so it is counted once."""
+        for p in params:
+            if p is not None and p not in self.attached:
+                self.attached.add(p)
+                consumer_inputs.append(Operand(p, tuple(() for _ in self.tensors[p].shape)))
 
     def source_labels(self, arg) -> list[str]:
         v = self.val(arg)
@@ -201,13 +170,7 @@ class _Capture:
     def emit(self, node, kind: str, dims: list[Dim], inputs: list[Operand | None], out_axes: list[str],
              flops: float, out_labels: list[str] | None = None, **attrs) -> None:
         name, module = self._op_name(node, kind)
-        seen, unique = set(), []
-        for d in dims:  # dim names must be unique within an op
-            nm = d.name
-            while nm in seen:
-                nm += "_"
-            seen.add(nm)
-            unique.append(Dim(nm, d.size, d.kind, d.splittable))
+        unique = _unique(dims)
         rename = {d.name: u.name for d, u in zip(dims, unique)}
         assert len(rename) == len(dims), f"{name}: dims passed twice"
         meta = self._meta(node)
@@ -221,7 +184,6 @@ class _Capture:
 
     # -- walk ----------------------------------------------------------------------------------------
     def run(self) -> Graph:
-        state = self.ep.state_dict
         for node in self.ep.graph.nodes:
             if node.op == "placeholder":
                 meta = self._meta(node)
@@ -238,10 +200,9 @@ class _Capture:
                     self.vals[node.name] = _Val(t, tuple((i,) for i in range(meta.dim())))
             elif node.op == "call_function":
                 self.visit(node)
-        del state
-        tied = [n for n, t in self.tensors.items() if t.is_param]
+        params = tuple(n for n, t in self.tensors.items() if t.is_param)
         graph = Graph(self.name, tuple(self.ops), tuple(self.tensors.values()),
-                      meta=(("captured", True), ("params", tuple(tied))))
+                      meta=(("captured", True), ("params", params)))
         try:
             return graph.verify()
         except GraphError as exc:  # a capture bug, not a user error: say where
@@ -279,7 +240,7 @@ class _Capture:
         if not isinstance(meta, torch.Tensor):
             if isinstance(meta, (list, tuple)) and args:  # split / chunk / unbind
                 v = vals[0]
-                dim = self._dim_arg(node, len(self._meta(args[0]).shape))
+                dim = dim_arg(node, len(self._meta(args[0]).shape))
                 parts = []
                 for m in meta:
                     if not isinstance(m, torch.Tensor):
@@ -307,59 +268,8 @@ class _Capture:
         a, v = max(live, key=lambda av: self._meta(av[0]).numel() if self._meta(av[0]) is not None else 0)
         in_shape = tuple(self._meta(a).shape)
         out_shape = tuple(meta.shape)
-        amap = self.map_axes(node, base, a, v.amap, in_shape, out_shape)
+        amap = map_axes(node, base, v.amap, in_shape, out_shape)
         self.vals[node.name] = _Val(v.source, amap, params)
-
-    def _dim_arg(self, node, rank: int, pos: int = 1, default: int = 0) -> int:
-        d = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
-        if isinstance(d, (list, tuple)):
-            d = d[0] if d else default
-        return int(d) % max(rank, 1) if isinstance(d, int) else default
-
-    def map_axes(self, node, base, arg, amap, in_shape, out_shape) -> tuple[tuple[int, ...], ...]:
-        amap = list(amap) + [()] * (len(in_shape) - len(amap))
-        if in_shape == out_shape and base not in ("permute", "transpose", "t"):
-            if base in ("slice",):
-                d = self._dim_arg(node, len(in_shape))
-                return tuple(() if i == d and False else m for i, m in enumerate(amap))
-            return tuple(amap)
-        if base in ("permute",):
-            perm = [p % len(in_shape) for p in node.args[1]]
-            return tuple(amap[p] for p in perm)
-        if base in ("transpose", "t"):
-            if base == "t":
-                return tuple(reversed(amap))
-            d0, d1 = (int(x) % len(in_shape) for x in node.args[1:3])
-            amap[d0], amap[d1] = amap[d1], amap[d0]
-            return tuple(amap)
-        if base == "unsqueeze":
-            d = int(node.args[1]) % (len(in_shape) + 1)
-            return tuple(amap[:d] + [()] + amap[d:])
-        if base == "select":
-            d = int(node.args[1]) % len(in_shape)
-            return tuple(amap[:d] + amap[d + 1:])
-        if base == "expand" or (len(in_shape) == len(out_shape) and base not in _VIEWS):
-            off = len(out_shape) - len(in_shape)
-            out = [()] * off + [m if in_shape[i] == out_shape[off + i] else () for i, m in enumerate(amap)]
-            return tuple(out)
-        if len(in_shape) == len(out_shape):  # slices, pooling, a concat with a constant: same axes
-            return tuple(m if in_shape[i] == out_shape[i] else () for i, m in enumerate(amap))
-        if base in ("mean", "sum", "amax", "max") and len(out_shape) < len(in_shape):
-            dims = node.args[1] if len(node.args) > 1 else list(range(len(in_shape)))
-            dims = {int(x) % len(in_shape) for x in (dims if isinstance(dims, (list, tuple)) else [dims])}
-            return tuple(m for i, m in enumerate(amap) if i not in dims)
-        if math.prod(in_shape) == math.prod(out_shape):  # a reshape: split and merge axes
-            groups = _view_map(in_shape, out_shape)
-            out = []
-            for g in groups:
-                parts: list[int] = []
-                for i in g:
-                    for s in amap[i]:
-                        if s not in parts:
-                            parts.append(s)
-                out.append(tuple(parts))
-            return tuple(out)
-        return tuple(() for _ in out_shape)
 
     def join(self, node, base, live, params) -> None:
         """A cheap op that combines two IR tensors: an ``elementwise`` op in the graph."""
@@ -371,29 +281,19 @@ class _Capture:
                 labels = self.source_labels(a)
                 break
         labels = labels or [f"d{i}" for i in range(len(out_shape))]
-        dims = [Dim(lab, int(s), DimKind.BATCH if lab == "batch" else DimKind.PARALLEL) for lab, s in
-                zip(labels, out_shape)]
         # unique names first, so that operands and output agree
-        names, seen = [], set()
-        for d in dims:
-            nm = d.name
-            while nm in seen:
-                nm += "_"
-            seen.add(nm)
-            names.append(nm)
-        dims = [Dim(nm, d.size, d.kind) for nm, d in zip(names, dims)]
+        dims = _unique([Dim(lab, int(s), DimKind.BATCH if lab == "batch" else DimKind.PARALLEL)
+                        for lab, s in zip(labels, out_shape)])
+        names = [d.name for d in dims]
         inputs = []
         for a, v in live:
             shape = tuple(self._meta(a).shape)
             off = len(out_shape) - len(shape)
             ad = [names[off + i] if off + i >= 0 and shape[i] == out_shape[off + i] else None
                   for i in range(len(shape))]
-            inputs.append(self.operand(a, ad, node.name))
+            inputs.append(self.operand(a, ad))
         self.attach([a for a, _ in live], inputs)
-        for p in params:
-            if p not in self.attached:
-                self.attached.add(p)
-                inputs.append(Operand(p, tuple(() for _ in self.tensors[p].shape)))
+        self.attach_params(params, inputs)
         self.emit(node, "elementwise", dims, inputs, names, float(meta.numel()), out_labels=labels, pw_ops=0,
                   aten=base)
 
@@ -415,25 +315,15 @@ class _Capture:
         v = self.val(arg)
         return v.params[0] if v.source is None and v.params else None
 
-    def _unique(self, dims: list[Dim]) -> list[Dim]:
-        seen, out = set(), []
-        for d in dims:
-            nm = d.name
-            while nm in seen:
-                nm += "_"
-            seen.add(nm)
-            out.append(Dim(nm, d.size, d.kind, d.splittable))
-        return out
-
     def _fc(self, node, x, w, bias, w_out_axis: int) -> None:
         xs = self._meta(x).shape
         ws = self._meta(w).shape
         k, n = int(xs[-1]), int(ws[w_out_axis])
-        lead = self._unique(self._lead_dims(x, len(xs) - 1) + [Dim("out_features", n), Dim("in_features", k,
+        lead = _unique(self._lead_dims(x, len(xs) - 1) + [Dim("out_features", n), Dim("in_features", k,
                                                                                            DimKind.REDUCTION)])
         names = [d.name for d in lead]
         lead_names = names[:-2]
-        inputs = [self.operand(x, lead_names + ["in_features"], node.name)]
+        inputs = [self.operand(x, lead_names + ["in_features"])]
         wname = self._weight(w)
         if wname is not None:
             axes = [("out_features",), ("in_features",)]
@@ -443,7 +333,7 @@ class _Capture:
             self.attached.add(wname)
         else:  # a matrix that is an activation: an einsum-like fc
             inputs.append(self.operand(w, ["out_features", "in_features"] if w_out_axis == 0 else
-                                       ["in_features", "out_features"], node.name))
+                                       ["in_features", "out_features"]))
         if bias is not None:
             bname = self._weight(bias)
             if bname is not None:
@@ -490,7 +380,7 @@ class _Capture:
         rows_label = "seq" if "seq" in labels else "rows"
         dims += [Dim(rows_label, int(sa[-2]), DimKind.SEQUENCE if rows_label == "seq" else DimKind.PARALLEL),
                  Dim("cols", int(sb[-1])), Dim("inner", int(sa[-1]), DimKind.REDUCTION)]
-        dims = self._unique(dims)
+        dims = _unique(dims)
         names = [d.name for d in dims]
         lead = names[:nb]
 
@@ -498,8 +388,8 @@ class _Capture:
             off = nb - (len(shape) - 2)
             return [lead[off + i] if shape[i] == out[off + i] else None for i in range(len(shape) - 2)] + last2
 
-        inputs = [self.operand(a, side(sa, [names[nb], names[nb + 2]]), node.name),
-                  self.operand(b, side(sb, [names[nb + 2], names[nb + 1]]), node.name)]
+        inputs = [self.operand(a, side(sa, [names[nb], names[nb + 2]])),
+                  self.operand(b, side(sb, [names[nb + 2], names[nb + 1]]))]
         self.attach([a, b], inputs)
         flops = 2.0 * math.prod(out) * sa[-1]
         self.emit(node, "einsum", dims, inputs, names[:nb + 2], flops, equation="matmul")
@@ -512,9 +402,9 @@ class _Capture:
         dims = [Dim("batch", b, DimKind.BATCH), Dim("heads", h), Dim("seq", lq, DimKind.SEQUENCE),
                 Dim("head_dim_v", ev), Dim("seq_kv", lk, DimKind.REDUCTION, splittable=False),
                 Dim("head_dim", e, DimKind.REDUCTION, splittable=False)]
-        inputs = [self.operand(q, ["batch", "heads", "seq", "head_dim"], node.name),
-                  self.operand(k, ["batch", "heads" if sk[1] == h else None, "seq_kv", "head_dim"], node.name),
-                  self.operand(v, ["batch", "heads" if sv[1] == h else None, "seq_kv", "head_dim_v"], node.name)]
+        inputs = [self.operand(q, ["batch", "heads", "seq", "head_dim"]),
+                  self.operand(k, ["batch", "heads" if sk[1] == h else None, "seq_kv", "head_dim"]),
+                  self.operand(v, ["batch", "heads" if sv[1] == h else None, "seq_kv", "head_dim_v"])]
         self.attach([q, k, v], inputs)
         flops = 2.0 * b * h * lq * lk * e + 2.0 * b * h * lq * lk * ev
         self.emit(node, "einsum", dims, inputs, ["batch", "heads", "seq", "head_dim_v"], flops,
@@ -550,7 +440,7 @@ class _Capture:
                 Dim("kernel_h", r, DimKind.REDUCTION, splittable=False),
                 Dim("kernel_w", s, DimKind.REDUCTION, splittable=False),
                 Dim("out_channels", co, DimKind.PARALLEL, splittable=False)]
-        inputs = [self.operand(x, ["batch", "in_channels" if not grouped else None, "height", "width"], node.name)]
+        inputs = [self.operand(x, ["batch", "in_channels" if not grouped else None, "height", "width"])]
         wname = self._weight(w)
         if wname is None:
             raise CaptureError(f"op aten.conv2d ({node.name}): the weight is not a parameter")
@@ -574,14 +464,14 @@ class _Capture:
         vocab, dim = (int(s) for s in self._meta(w).shape)
         ishape = tuple(self._meta(ids).shape)
         labels = self.source_labels(ids) if self.val(ids).source else list(_labels_for_input(ishape, False))
-        lead = self._unique([Dim(lab, int(s), DimKind.BATCH if lab == "batch" else
+        lead = _unique([Dim(lab, int(s), DimKind.BATCH if lab == "batch" else
                                  (DimKind.SEQUENCE if lab == "seq" else DimKind.PARALLEL))
                              for lab, s in zip(labels, ishape)] +
                             # vocabulary-sharded lookups (DTensor's MaskPartial) are not combinable with
                             # other partial sums in torch 2.13, so the table is only split by columns
                             [Dim("embed", dim), Dim("vocab", vocab, DimKind.REDUCTION, splittable=False)])
         names = [d.name for d in lead]
-        inputs = [self.operand(ids, names[:-2], node.name), Operand(wname, (("vocab",), ("embed",)))]
+        inputs = [self.operand(ids, names[:-2]), Operand(wname, (("vocab",), ("embed",)))]
         self.attached.add(wname)
         self.emit(node, "embedding", lead, inputs, names[:-2] + ["embed"], 0.0,
                   out_labels=labels + ["embed"])
@@ -600,11 +490,8 @@ class _Capture:
                 Dim("batch", b, DimKind.BATCH), Dim("hidden_out", hidden, splittable=False),
                 Dim("hidden_in", max(inp, hidden), DimKind.REDUCTION, splittable=False)]
         order = ["batch", "seq", "hidden_in"] if batch_first else ["seq", "batch", "hidden_in"]
-        inputs = [self.operand(x, order, node.name)]
-        for p in pnames:
-            if p is not None and p not in self.attached:
-                self.attached.add(p)
-                inputs.append(Operand(p, tuple(() for _ in self.tensors[p].shape)))
+        inputs = [self.operand(x, order)]
+        self.attach_params(pnames, inputs)
         self.attach([x], inputs)
         flops = 0.0
         for layer in range(int(num_layers)):

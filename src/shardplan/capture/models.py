@@ -57,40 +57,49 @@ class LSTMLM(nn.Module):
         return self.head(h)
 
 
-def _hf(kind: str, overrides: dict):
+# family -> (model class, config class, small config used by tests, run and the fidelity benchmark)
+_HF = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config",
+             dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0)),
+    "llama": ("LlamaForCausalLM", "LlamaConfig",
+              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)),
+    "bert": ("BertForMaskedLM", "BertConfig",
+             dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  vocab_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, num_local_experts=4,
+                     num_experts_per_tok=2)),
+}
+
+
+def _hf(kind: str, overrides: dict, small: bool):
+    """An HF model with random weights: the small config (or the library's defaults) plus overrides.
+
+    Caches are off (torch.export cannot return them) and attention is eager (matmuls, which torch's
+    FLOP counter sees); the small config also unties embeddings so each parameter has one owner.
+    """
     import transformers
 
-    base = dict(use_cache=False, tie_word_embeddings=False, attn_implementation="eager")
-    if kind == "gpt2":
-        cfg = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0,
-                   embd_pdrop=0.0, attn_pdrop=0.0)
-        cls, ccls = transformers.GPT2LMHeadModel, transformers.GPT2Config
-    elif kind == "llama":
-        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-        cls, ccls = transformers.LlamaForCausalLM, transformers.LlamaConfig
-    elif kind == "bert":
-        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   vocab_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                   attention_probs_dropout_prob=0.0)
-        cls, ccls = transformers.BertForMaskedLM, transformers.BertConfig
-    elif kind == "mixtral":
-        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, num_local_experts=4,
-                   num_experts_per_tok=2)
-        cls, ccls = transformers.MixtralForCausalLM, transformers.MixtralConfig
-    else:
-        raise ValueError(f"unknown Hugging Face model {kind!r}; known: {', '.join(HF_MODELS)}")
-    cfg.update(base)
+    if kind not in _HF:
+        raise ValueError(f"unknown Hugging Face model {kind!r}; known: {', '.join(_HF)}")
+    model_name, config_name, small_cfg = _HF[kind]
+    ccls = getattr(transformers, config_name)
     known = set(ccls().to_dict())
     for k in overrides:
         if k not in known:
-            raise ValueError(f"--hf-config: {k!r} is not a field of {ccls.__name__}")
+            raise ValueError(f"--hf-config: {k!r} is not a field of {config_name}")
+    cfg = dict(use_cache=False, attn_implementation="eager")
+    if small:
+        cfg.update(small_cfg, tie_word_embeddings=False)
     cfg.update(overrides)
-    return cls(ccls(**cfg))
+    return getattr(transformers, model_name)(ccls(**cfg))
 
 
-HF_MODELS = ("gpt2", "llama", "bert", "mixtral")
+HF_MODELS = tuple(_HF)
 TORCH_MODELS = ("torch_mlp", "torch_cnn", "lstm_lm")
 
 
@@ -105,7 +114,7 @@ def build(name: str, batch: int = 4, seq: int = 16, device: str | torch.device =
         if name == "lstm_lm":
             m = LSTMLM(**overrides)
             return m, {"ids": torch.randint(0, m.embed.num_embeddings, (batch, seq))}
-        model = _hf(name, overrides)
+        model = _hf(name, overrides, small=True)
         vocab = model.config.vocab_size
         return model, {"input_ids": torch.randint(0, vocab, (batch, seq))}
 
@@ -130,20 +139,8 @@ def parse_config(text: str | None) -> dict:
 
 def load_hf(kind: str, overrides: dict, batch: int = 8, seq: int = 128):
     """A full-size HF model (library defaults plus ``overrides``) on the meta device, and meta inputs."""
-    import transformers
-
-    classes = {"gpt2": ("GPT2LMHeadModel", "GPT2Config"), "llama": ("LlamaForCausalLM", "LlamaConfig"),
-               "bert": ("BertForMaskedLM", "BertConfig"), "mixtral": ("MixtralForCausalLM", "MixtralConfig")}
-    if kind not in classes:
-        raise ValueError(f"unknown Hugging Face model {kind!r}; known: {', '.join(classes)}")
-    mcls, ccls = (getattr(transformers, n) for n in classes[kind])
-    known = set(ccls().to_dict())
-    for k in overrides:
-        if k not in known:
-            raise ValueError(f"--hf-config: {k!r} is not a field of {ccls.__name__}")
-    cfg = ccls(**{**dict(use_cache=False, attn_implementation="eager"), **overrides})
     with torch.device("meta"):
-        model = mcls(cfg)
+        model = _hf(kind, overrides, small=False)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return model, {"input_ids": ids}, kind
 

@@ -167,10 +167,10 @@ class AnalyticCostModel:
         layout = operand_layouts(op, configs, x.axes).astype(np.float64)
         out = np.zeros(len(configs))
         for axis, k in ((2, r), (3, s)):
-            rows = spec.shape[axis] / layout[:, axis]
-            halo = in_tile / rows * max(k - 1, 0)  # (k - 1) ghost rows in all, split over two sides
             if not x.axes[axis]:
                 continue  # this input axis is never split by the op
+            rows = spec.shape[axis] / layout[:, axis]
+            halo = in_tile / rows * max(k - 1, 0)  # (k - 1) ghost rows in all, split over two sides
             dim = op.dim_index(x.axes[axis][0])
             level = self.cluster.level_of_span(strides[:, dim] * 2)
             bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]

@@ -13,7 +13,7 @@ from shardplan.capture import capture
 from shardplan.capture.models import HF_MODELS, TORCH_MODELS, build, parse_config
 from shardplan.cost.tables import build_tables
 from shardplan.execute.apply import ApplyError, check, choose_mesh
-from shardplan.plan import Plan, PlanError
+from shardplan.plan import Plan
 from shardplan.search.solve import solve
 
 RUNNABLE = tuple(m for m in TORCH_MODELS + HF_MODELS if m not in ("lstm_lm", "mixtral"))
@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 
 def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_model, plan_file: str | None):
-    """(graph, plan, predicted seconds) after every check that can fail before a process starts."""
+    """(plan, predicted seconds) after every check that can fail before a process starts."""
     if model not in RUNNABLE:
         raise ApplyError(f"shardplan run knows models {', '.join(RUNNABLE)}; got {model!r}")
     module, kwargs = build(model, batch=batch, seq=seq, **parse_config(config))
@@ -42,7 +42,19 @@ def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_mo
         choice = list(solve(tables).choice)
         plan = Plan.from_choice(tables, choice, method="exact")
         check(graph, plan, choose_mesh(graph, plan))
-    return graph, plan, tables.cost_of(choice)
+    return plan, tables.cost_of(choice)
+
+
+def torchrun(nproc: int, module: str, args: list[str], timeout_s: float = 600.0) -> subprocess.CompletedProcess:
+    """``python -m module args`` on ``nproc`` local ranks under torchrun (one thread each by default)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", module, *args]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+def last_lines(proc: subprocess.CompletedProcess, n: int = 5) -> str:
+    return "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-n:])
 
 
 def launch(model: str, config: str, batch: int, seq: int, plan: Plan, steps: int, do_check: bool,
@@ -52,16 +64,11 @@ def launch(model: str, config: str, batch: int, seq: int, plan: Plan, steps: int
         out_path = os.path.join(tmp, "result.json")
         with open(plan_path, "w") as fh:
             fh.write(plan.to_json())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.devices),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-               "-m", "shardplan.execute.worker", "--model", model, "--config", config or "",
-               "--batch", str(batch), "--seq", str(seq), "--plan", plan_path, "--steps", str(steps),
-               "--out", out_path] + (["--check"] if do_check else [])
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        args = ["--model", model, "--config", config or "", "--batch", str(batch), "--seq", str(seq),
+                "--plan", plan_path, "--steps", str(steps), "--out", out_path] + (["--check"] if do_check else [])
+        proc = torchrun(plan.devices, "shardplan.execute.worker", args, timeout_s)
         if not os.path.exists(out_path):
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-            raise RuntimeError(f"torchrun exited with {proc.returncode} and no result:\n{tail}")
+            raise RuntimeError(f"torchrun exited with {proc.returncode} and no result:\n{last_lines(proc)}")
         with open(out_path) as fh:
             result = json.load(fh)
         for name in os.listdir(tmp):

@@ -187,7 +187,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cost_model, cluster, devices = _cost_model(args)
     try:
-        graph, plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model,
+        plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model,
                                          args.plan)
     except (ApplyError, PlanError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -225,24 +225,16 @@ def _calibrate(args: argparse.Namespace) -> int:
     """``shardplan calibrate``: torchrun the measurements on N ranks and write a cluster file."""
     _positive("--devices", args.devices)
     import os
-    import subprocess
 
     from shardplan.cluster import load_cluster
 
     try:
-        import torch  # noqa: F401
+        from shardplan.execute.launch import last_lines, torchrun
     except ImportError as exc:
         raise UsageError(f"shardplan calibrate needs PyTorch: pip install 'shardplan[torch]' ({exc})") from None
-    from shardplan.execute.launch import _free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.devices),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m",
-           "shardplan.execute.calibrate", "--out", args.out, "--reps", str(args.reps)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = torchrun(args.devices, "shardplan.execute.calibrate", ["--out", args.out, "--reps", str(args.reps)])
     if proc.returncode != 0 or not os.path.exists(args.out):
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        raise UsageError(f"calibration failed (torchrun exit {proc.returncode}):\n{tail}")
+        raise UsageError(f"calibration failed (torchrun exit {proc.returncode}):\n{last_lines(proc)}")
     c = load_cluster(args.out)
     lv = c.levels[0]
     print(f"wrote {args.out}: {c.device.peak_flops / 1e9:.3g} GFLOP/s matmul per rank, "
