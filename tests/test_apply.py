@@ -128,3 +128,23 @@ def test_unsplittable_dim_is_refused(models):
     bad = Plan(**{**plan.__dict__, "ops": tuple(ops)})
     with pytest.raises(ApplyError, match="'conv1' cannot be split along 'height'"):
         check(graph, bad, (2,))
+
+
+def test_gqa_split_finer_than_kv_heads_is_refused(models):
+    """Llama's k/v projections have 2 kv heads: the search never splits them 4 ways, and a plan file
+    that does is refused before anything runs, naming the projection."""
+    from shardplan.execute.apply import check
+    from shardplan.plan import OpPlan
+
+    graph = models["llama"][2]
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=4)), 4)
+    k = graph.op_index("model.layers.0.self_attn.k_proj")
+    assert graph.tensor(graph.ops[k].outputs[0].tensor).split_limits[-1] == 2
+    assert not any(cfg[graph.ops[k].dim_index("out_features")] == 4 for cfg in tables.configs[k])
+    assert any(cfg[graph.ops[k].dim_index("out_features")] == 2 for cfg in tables.configs[k])
+    plan = make_plan(graph, "data_parallel", 4)
+    ops = list(plan.ops)
+    ops[k] = OpPlan(ops[k].name, ops[k].kind, tuple((d, 4 if d == "out_features" else 1) for d, _ in ops[k].split))
+    bad = Plan(**{**plan.__dict__, "ops": tuple(ops)})
+    with pytest.raises(ApplyError, match="k_proj.*4 ways.*divide 2"):
+        check(graph, bad, (4,))

@@ -131,3 +131,25 @@ def test_bad_hf_config_names_field():
         load_hf("llama", {"hidden_sise": 8})
     with pytest.raises(ValueError, match="key=value"):
         parse_config("hidden_size")
+
+
+def test_view_limits_keep_splits_on_whole_heads():
+    """(b, l, h*k) viewed as (b, l, h, k): the features axis may only be split into divisors of h;
+    a merge, or a view of an axis that is not a single source axis, sets no limit."""
+    from shardplan.capture.axes import view_limits
+
+    ident = ((0,), (1,), (2,))
+    assert view_limits("view", ident, (4, 16, 64), (4, 16, 4, 16)) == {2: 4}
+    assert view_limits("view", ident, (4, 16, 64), (64, 64)) == {}
+    assert view_limits("view", ((0,), (1,)), (64, 192), (4, 16, 192)) == {0: 4}
+    assert view_limits("view", ((0,), (0,), ()), (4, 16, 64), (4, 16, 4, 16)) == {}
+    assert view_limits("add", ident, (4, 16, 64), (4, 16, 64)) == {}
+
+
+def test_gpt2_fused_qkv_is_not_tied_to_heads():
+    """GPT-2 splits c_attn's output into q, k, v (split(x, n, dim=2)); the part's heads are not c_attn's
+    feature blocks, so c_attn's features carry no head limit (only the flattened rows do)."""
+    m, kw = build("gpt2")
+    g = capture(m, (), kw, name="gpt2")
+    spec = g.tensor("transformer.h.0.attn.c_attn:out")
+    assert spec.split_limits == (4, 0)

@@ -51,6 +51,26 @@ def _view_map(in_shape, out_shape) -> list[tuple[int, ...]]:
     return out
 
 
+_RESHAPES = {"view", "reshape", "_unsafe_view", "unflatten"}
+
+
+def view_limits(base: str, amap, in_shape, out_shape) -> dict[int, int]:
+    """For a reshape that splits a source axis into ``(major, minor...)``: source axis -> size of the
+    major part. DTensor keeps a shard through such a view only when the shard count divides the
+    major part (a projection viewed as ``(heads, head_dim)`` splits along whole heads), so the
+    split of that source axis is limited to divisors of it."""
+    if base not in _RESHAPES or tuple(in_shape) == tuple(out_shape) or math.prod(in_shape) != math.prod(out_shape):
+        return {}
+    amap = list(amap) + [()] * (len(in_shape) - len(amap))
+    groups = _view_map(in_shape, out_shape)
+    limits: dict[int, int] = {}
+    for i, src in enumerate(amap):
+        outs = [j for j, g in enumerate(groups) if g == (i,)]
+        if len(src) == 1 and len(outs) > 1:  # a pure split of a value axis that is one source axis
+            limits[src[0]] = int(out_shape[outs[0]])
+    return limits
+
+
 def dim_arg(node, rank: int, pos: int = 1, default: int = 0) -> int:
     """The ``dim`` argument of an aten call, normalised to ``0..rank-1``."""
     d = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)

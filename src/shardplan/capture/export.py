@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import fx
 
-from shardplan.capture.axes import dim_arg, map_axes
+from shardplan.capture.axes import dim_arg, map_axes, view_limits
 from shardplan.ir.graph import Dim, DimKind, Graph, GraphError, Op, Operand, TensorSpec
 
 
@@ -90,6 +90,7 @@ class _Capture:
         self.vals: dict[str, _Val] = {}
         self.attached: set[str] = set()
         self.op_names: dict[str, int] = {}
+        self.limits: dict[str, dict[int, int]] = {}  # IR tensor -> axis -> split limit (view_limits)
         sig = ep.graph_signature
         self.param_of_input = dict(sig.inputs_to_parameters)
         self.buffer_inputs = set(sig.inputs_to_buffers) | set(getattr(sig, "inputs_to_lifted_tensor_constants", {}))
@@ -201,6 +202,9 @@ class _Capture:
             elif node.op == "call_function":
                 self.visit(node)
         params = tuple(n for n, t in self.tensors.items() if t.is_param)
+        for name, lims in self.limits.items():
+            t = self.tensors[name]
+            self.tensors[name] = replace(t, split_limits=tuple(lims.get(a, 0) for a in range(len(t.shape))))
         graph = Graph(self.name, tuple(self.ops), tuple(self.tensors.values()),
                       meta=(("captured", True), ("params", params)))
         try:
@@ -240,7 +244,8 @@ class _Capture:
         if not isinstance(meta, torch.Tensor):
             if isinstance(meta, (list, tuple)) and args:  # split / chunk / unbind
                 v = vals[0]
-                dim = dim_arg(node, len(self._meta(args[0]).shape))
+                # split(x, sizes, dim) and chunk(x, n, dim) carry the dim third; unbind(x, dim) second
+                dim = dim_arg(node, len(self._meta(args[0]).shape), pos=1 if base == "unbind" else 2)
                 parts = []
                 for m in meta:
                     if not isinstance(m, torch.Tensor):
@@ -269,6 +274,9 @@ class _Capture:
         in_shape = tuple(self._meta(a).shape)
         out_shape = tuple(meta.shape)
         amap = map_axes(node, base, v.amap, in_shape, out_shape)
+        for axis, limit in view_limits(base, v.amap, in_shape, out_shape).items():
+            lims = self.limits.setdefault(v.source, {})
+            lims[axis] = math.gcd(lims.get(axis, 0), limit)
         self.vals[node.name] = _Val(v.source, amap, params)
 
     def join(self, node, base, live, params) -> None:

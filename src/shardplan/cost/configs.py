@@ -19,7 +19,7 @@ from typing import Literal
 
 import numpy as np
 
-from shardplan.ir.graph import Op
+from shardplan.ir.graph import Graph, Op
 
 
 def divisors(n: int) -> list[int]:
@@ -52,6 +52,13 @@ class ConfigSpace:
             raise ValueError(f"cutoff must be at least 1, got {self.cutoff!r}")
 
 
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out
+
+
 def _contiguous(sizes: tuple[int, ...], cfg: tuple[int, ...]) -> bool:
     """PaSE's reshape rule: leading dims fully split, then one partial split, then nothing."""
     it = iter(zip(sizes, cfg))
@@ -61,10 +68,24 @@ def _contiguous(sizes: tuple[int, ...], cfg: tuple[int, ...]) -> bool:
     return all(c == 1 for _, c in it)
 
 
-def enumerate_configs(op: Op, space: ConfigSpace, frozen: frozenset[str] = frozenset()) -> np.ndarray:
+def split_limits(graph: Graph, op: Op) -> list[tuple[tuple[str, ...], int]]:
+    """(op dims, limit) for every operand axis of ``op`` whose tensor limits its split
+    (``TensorSpec.split_limits``): the product of those dims' factors must divide the limit."""
+    out = []
+    for operand in op.inputs + op.outputs:
+        spec = graph.tensor(operand.tensor)
+        for axis, dims in enumerate(operand.axes):
+            if dims and spec.limit(axis):
+                out.append((tuple(dims), spec.limit(axis)))
+    return out
+
+
+def enumerate_configs(op: Op, space: ConfigSpace, frozen: frozenset[str] = frozenset(),
+                      limits: list[tuple[tuple[str, ...], int]] = ()) -> np.ndarray:
     """All configurations of ``op`` as an int64 array of shape (K, len(op.dims)).
 
-    ``frozen`` names dims that must stay unsplit (on top of dims marked ``splittable=False``).
+    ``frozen`` names dims that must stay unsplit (on top of dims marked ``splittable=False``);
+    ``limits`` (from :func:`split_limits`) keeps splits of viewed axes on whole blocks.
     Rows are in lexicographic order of the factors; the all-ones row (replicated) is always present.
     """
     p = space.devices
@@ -85,6 +106,10 @@ def enumerate_configs(op: Op, space: ConfigSpace, frozen: frozenset[str] = froze
         if prod > p or (space.product == "divides" and p % prod != 0):
             continue
         rows.append(cfg)
+    index = {name: i for i, name in enumerate(op.dim_names)}
+    for dims, limit in limits:
+        cols = [index[d] for d in dims]
+        rows = [r for r in rows if limit % _prod(r[c] for c in cols) == 0]
     if op.kind == "reshape":
         sizes = tuple(d.size for d in op.dims)
         rows = [r for r in rows if _contiguous(sizes, r)]

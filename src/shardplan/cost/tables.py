@@ -19,7 +19,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from shardplan.cost.configs import ConfigSpace, enumerate_configs, operand_layouts
+from shardplan.cost.configs import ConfigSpace, enumerate_configs, operand_layouts, split_limits
 from shardplan.ir.graph import Graph, GraphError, Op, TensorSpec
 
 
@@ -120,7 +120,7 @@ def build_tables(graph: Graph, model: CostModel, devices: int,
     space = model.config_space(graph, devices)
     configs, nodes = [], []
     for i, op in enumerate(graph.ops):
-        cfg = enumerate_configs(op, space, model.frozen_dims(op))
+        cfg = enumerate_configs(op, space, model.frozen_dims(op), split_limits(graph, op))
         configs.append(cfg)
         nodes.append(model.node_costs(graph, op, cfg))
         if progress:

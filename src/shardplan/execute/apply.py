@@ -21,6 +21,8 @@ every gradient). Plans the runtime cannot honour are refused before anything run
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -62,6 +64,15 @@ def check_model(graph: Graph, plan: Plan) -> None:
                                  f"the runtime keeps that dim whole")
             if f > 1 and dim.size % f:
                 raise ApplyError(f"op {op.name!r}: dim {d!r} of size {dim.size} does not split {f} ways evenly")
+        factors = dict(p.split)
+        for operand in op.inputs + op.outputs:
+            spec = graph.tensor(operand.tensor)
+            for axis, dims in enumerate(operand.axes):
+                ways = math.prod(factors[d] for d in dims)
+                if spec.limit(axis) and spec.limit(axis) % ways:
+                    raise ApplyError(f"op {op.name!r} splits axis {axis} of {operand.tensor!r} {ways} ways, but the "
+                                     f"model views that axis as {spec.limit(axis)} blocks (heads); splits must "
+                                     f"divide {spec.limit(axis)}")
         if op.kind not in _RUNNABLE and p.devices > 1 and any(
                 f > 1 and d != "batch" for d, f in p.split):
             raise ApplyError(f"op {op.name!r} of kind {op.kind!r} can only be split by batch at run time")

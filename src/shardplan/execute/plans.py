@@ -9,6 +9,8 @@ parallel elsewhere.
 
 from __future__ import annotations
 
+import numpy as np
+
 from shardplan.cost.tables import CostTables
 from shardplan.search.baselines import data_parallel
 
@@ -16,7 +18,6 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc"
           "intermediate.dense", "layers.0", "fc1")
 ROW = ("o_proj", "down_proj", "c_proj", "attention.output.dense", "output.dense", "layers.1", "fc2")
 MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "mlp.c_fc", "mlp.c_proj", "intermediate.dense", "fc1", "fc2")
-HEAD_DIM = 16  # the head size of shardplan.capture.models' small HF configs
 
 
 def _config(tables: CostTables, i: int, **split) -> int:
@@ -24,17 +25,26 @@ def _config(tables: CostTables, i: int, **split) -> int:
     return tables.index_of(i, tuple(split.get(d.name, 1) for d in op.dims))
 
 
+def _maybe(tables: CostTables, i: int, dim: str, ways: int) -> int | None:
+    """The configuration splitting ``dim`` of op ``i`` ``ways`` ways, or None when the search space
+    has none (the dim does not divide, or a view limits it: GQA's k/v split along whole kv heads)."""
+    op = tables.graph.ops[i]
+    if dim not in op.dim_names:
+        return None
+    target = np.array([ways if d.name == dim else 1 for d in op.dims], dtype=np.int64)
+    rows = np.nonzero((tables.configs[i] == target).all(axis=1))[0]
+    return int(rows[0]) if len(rows) else None
+
+
 def _tp_choice(tables: CostTables, i: int) -> int | None:
     p, op = tables.devices, tables.graph.ops[i]
     name = op.module or ""
-    kv = name.endswith(("k_proj", "v_proj"))  # GQA: do not split k/v finer than their heads
-    if op.kind == "fc" and name.endswith(COLUMN) and op.dim("out_features").size % p == 0 and not (
-            kv and op.dim("out_features").size // HEAD_DIM % p):
-        return _config(tables, i, out_features=p)
-    if op.kind == "fc" and name.endswith(ROW) and op.dim("in_features").size % p == 0:
-        return _config(tables, i, in_features=p)
-    if op.kind == "einsum" and "heads" in op.dim_names and op.dim("heads").size % p == 0:
-        return _config(tables, i, heads=p)
+    if op.kind == "fc" and name.endswith(COLUMN):
+        return _maybe(tables, i, "out_features", p)
+    if op.kind == "fc" and name.endswith(ROW):
+        return _maybe(tables, i, "in_features", p)
+    if op.kind == "einsum":
+        return _maybe(tables, i, "heads", p)
     return None
 
 

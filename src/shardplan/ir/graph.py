@@ -56,6 +56,18 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype_bytes: int = 4
     is_param: bool = False
+    split_limits: tuple[int, ...] = ()
+    """Per axis, 0 or a number the axis's split count must divide: a fused projection's output viewed
+    as ``(heads, head_dim)`` can only be split along whole heads (``heads``). Empty: no limits."""
+
+    def __post_init__(self) -> None:
+        if self.split_limits and len(self.split_limits) != len(self.shape):
+            raise GraphError(f"tensor {self.name!r}: {len(self.split_limits)} split limits for rank "
+                             f"{len(self.shape)}")
+
+    def limit(self, axis: int) -> int:
+        """The number the split count of ``axis`` must divide (0: any divisor of the axis)."""
+        return self.split_limits[axis] if self.split_limits else 0
 
     @property
     def numel(self) -> int:
