@@ -207,3 +207,26 @@ def test_op_overhead_is_charged_per_pass():
         extra = {"fc": 3e-3, "softmax_xent": 2e-3}.get(op.kind)
         if extra is not None:
             assert np.allclose(n1.compute - n0.compute, extra), op.name
+
+
+def test_folded_cheap_ops_are_priced_by_hand():
+    """An fc with 5 folded ops writing 8 MB in all: 6 x 8 MB of traffic shared by its P devices plus
+    2 x 5 dispatches, on top of the same op without them."""
+    import dataclasses
+
+    from shardplan.ir.graph import Graph
+
+    b = GraphBuilder("folded")
+    x = b.input("x", (64, 1024), ("batch", "features"))
+    b.linear(x, 1024, name="fc")
+    plain = b.build()
+    op = plain.ops[0]
+    folded = Graph("folded", (dataclasses.replace(op, attrs=op.attrs + (("folded_bytes", 8e6), ("folded_ops", 5))),),
+                   plain.tensors)
+    cluster = get_cluster("dgx-a100", devices=8)
+    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, op_overhead=1e-4))
+    t0 = build_tables(plain, AnalyticCostModel(cluster), 8)
+    t1 = build_tables(folded, AnalyticCostModel(cluster), 8)
+    procs = t0.configs[0].prod(axis=1)
+    expected = 6 * 8e6 / procs / cluster.device.memory_bandwidth + 2 * 5 * 1e-4
+    assert np.allclose(t1.nodes[0].compute - t0.nodes[0].compute, expected)

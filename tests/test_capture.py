@@ -153,3 +153,19 @@ def test_gpt2_fused_qkv_is_not_tied_to_heads():
     g = capture(m, (), kw, name="gpt2")
     spec = g.tensor("transformer.h.0.attn.c_attn:out")
     assert spec.split_limits == (4, 0)
+
+
+def test_folded_cheap_ops_counted_once_by_hand():
+    """torch_cnn, batch 4, 16 channels, 16x16 fp32 images: each folded kernel (relu, pools) is charged
+    once, to the first op that reads it; the flatten is a view and is not counted."""
+    m, kw = build("torch_cnn")
+    g = capture(m, (), kw, name="torch_cnn")
+    got = {op.name: (op.attr("folded_ops", 0), op.attr("folded_bytes", 0)) for op in g.ops}
+    assert got == {
+        "conv1": (0, 0),
+        "conv2": (2, 4 * (4 * 16 * 16 * 16) + 4 * (4 * 16 * 8 * 8)),  # relu, max pool
+        "conv3": (2, 4 * (4 * 32 * 8 * 8) + 4 * (4 * 32 * 4 * 4)),  # relu, max pool (the skip reads it too)
+        "add": (1, 4 * (4 * 32 * 4 * 4)),  # relu of conv3
+        "fc1": (1, 4 * (4 * 32 * 4 * 4)),  # adaptive average pool
+        "fc2": (1, 4 * (4 * 64)),  # relu
+    }

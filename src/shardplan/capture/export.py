@@ -42,6 +42,12 @@ _HEAVY = {"linear", "addmm", "mm", "matmul", "bmm", "conv2d", "convolution", "em
           "scaled_dot_product_attention", "lstm", "conv1d", "conv3d", "einsum", "baddbmm"}
 
 
+# Folded ops that launch no kernel of their own (views and aliases); every other folded op is counted.
+_NO_KERNEL = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "permute", "transpose", "t",
+              "unsqueeze", "squeeze", "select", "slice", "split", "split_with_sizes", "chunk", "unbind",
+              "alias", "detach", "dropout", "lift_fresh_copy", "_assert_tensor_metadata", "getitem"}
+
+
 def _unique(dims: list[Dim]) -> list[Dim]:
     """The dims with names made unique within the op (a second ``batch`` becomes ``batch_``)."""
     seen, out = set(), []
@@ -69,6 +75,7 @@ class _Val:
     amap: tuple[tuple[int, ...], ...] = ()  # per axis of this value: axes of ``source`` composing it
     params: tuple[str, ...] = ()  # parameters of folded ops on the way
     parts: list = field(default_factory=list)  # for multi-output nodes (split, lstm): one _Val each
+    cheap: tuple[str, ...] = ()  # folded compute ops on the way (node names), priced on the consumer
 
 
 def _labels_for_input(shape, is_float: bool) -> tuple[str, ...]:
@@ -90,6 +97,8 @@ class _Capture:
         self.vals: dict[str, _Val] = {}
         self.attached: set[str] = set()
         self.op_names: dict[str, int] = {}
+        self.cheap_bytes: dict[str, int] = {}  # folded compute node -> bytes of its output
+        self.pending: dict[str, None] = {}  # folded nodes attached to the op being emitted
         self.limits: dict[str, dict[int, int]] = {}  # IR tensor -> axis -> split limit (view_limits)
         sig = ep.graph_signature
         self.param_of_input = dict(sig.inputs_to_parameters)
@@ -150,7 +159,12 @@ class _Capture:
     def attach(self, args, consumer_inputs: list[Operand]) -> None:
         """Parameters of the cheap ops folded into ``args``, replicated, on the consuming op."""
         for a in args:
-            self.attach_params(self.val(a).params, consumer_inputs)
+            v = self.val(a)
+            self.attach_params(v.params, consumer_inputs)
+            for c in v.cheap:
+                if c not in self.attached:
+                    self.attached.add(c)
+                    self.pending[c] = None
 
     def attach_params(self, params, consumer_inputs: list[Operand]) -> None:
         """Each parameter joins (replicated) the first op that consumes it, so it is counted once."""
@@ -179,9 +193,18 @@ class _Capture:
         ins = [Operand(o.tensor, tuple(tuple(rename.get(d, d) for d in ax) for ax in o.axes))
                for o in inputs if o is not None]
         outs = [Operand(out, tuple((rename[d],) for d in out_axes))]
+        attrs.update(self.take_folded())
         self.ops.append(Op(name, kind, tuple(unique), tuple(ins), tuple(outs), float(flops),
                            tuple(sorted(attrs.items())), module, None))
         self.vals[node.name] = _Val(out, tuple((i,) for i in range(len(meta.shape))))
+
+    def take_folded(self) -> dict:
+        """``folded_ops`` / ``folded_bytes`` of the cheap compute ops attached since the last op."""
+        if not self.pending:
+            return {}
+        out = {"folded_ops": len(self.pending), "folded_bytes": sum(self.cheap_bytes[c] for c in self.pending)}
+        self.pending = {}
+        return out
 
     # -- walk ----------------------------------------------------------------------------------------
     def run(self) -> Graph:
@@ -233,13 +256,15 @@ class _Capture:
                 args += [x for x in a if isinstance(x, fx.Node)]
         vals = [self.val(a) for a in args]
         params = tuple(p for v in vals for p in v.params)
+        cheap = tuple(dict.fromkeys(c for v in vals for c in v.cheap))
         if base == "getitem":
             parent = self.val(node.args[0])
             idx = node.args[1]
             if parent.parts and isinstance(idx, int) and idx < len(parent.parts):
                 self.vals[node.name] = parent.parts[idx]
             else:
-                self.vals[node.name] = _Val(parent.source, parent.amap if not parent.parts else (), params)
+                self.vals[node.name] = _Val(parent.source, parent.amap if not parent.parts else (), params,
+                                            cheap=cheap)
             return
         if not isinstance(meta, torch.Tensor):
             if isinstance(meta, (list, tuple)) and args:  # split / chunk / unbind
@@ -256,11 +281,14 @@ class _Capture:
                         amap = amap[:dim] + amap[dim + 1:]
                     elif dim < len(amap):
                         amap[dim] = ()
-                    parts.append(_Val(v.source, tuple(amap), v.params))
-                self.vals[node.name] = _Val(v.source, (), v.params, parts)
+                    parts.append(_Val(v.source, tuple(amap), v.params, cheap=cheap))
+                self.vals[node.name] = _Val(v.source, (), v.params, parts, cheap)
             else:
                 self.vals[node.name] = _Val(None, params=params)
             return
+        if base not in _NO_KERNEL:  # a kernel that reads and writes memory: priced on its consumer
+            cheap = cheap + (node.name,)
+            self.cheap_bytes[node.name] = int(meta.numel()) * self._bytes(meta)
         live = [(a, v) for a, v in zip(args, vals) if v.source is not None]
         sources = {v.source for _, v in live}
         if not live:
@@ -277,7 +305,7 @@ class _Capture:
         for axis, limit in view_limits(base, v.amap, in_shape, out_shape).items():
             lims = self.limits.setdefault(v.source, {})
             lims[axis] = math.gcd(lims.get(axis, 0), limit)
-        self.vals[node.name] = _Val(v.source, amap, params)
+        self.vals[node.name] = _Val(v.source, amap, params, cheap=cheap)
 
     def join(self, node, base, live, params) -> None:
         """A cheap op that combines two IR tensors: an ``elementwise`` op in the graph."""
@@ -511,7 +539,8 @@ class _Capture:
                            ["seq", "batch", "hidden"], self._bytes(out_meta))
         out_axes = [("batch",), ("seq",), ("hidden_out",)] if batch_first else [("seq",), ("batch",), ("hidden_out",)]
         self.ops.append(Op(name, "lstm", tuple(dims), tuple(i for i in inputs if i is not None),
-                           (Operand(out, tuple(out_axes)),), flops, (("batch_first", bool(batch_first)),),
+                           (Operand(out, tuple(out_axes)),), flops,
+                           tuple(sorted({"batch_first": bool(batch_first), **self.take_folded()}.items())),
                            module, None))
         parts = [_Val(out, ((0,), (1,), (2,)))] + [_Val(None)] * (len(node.meta["val"]) - 1)
         self.vals[node.name] = _Val(out, (), (), parts)

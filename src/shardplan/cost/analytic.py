@@ -121,6 +121,7 @@ class AnalyticCostModel:
         flops = 0.0 if op.kind == "embedding" else op.flops  # a lookup is a gather, not a GEMM
         compute = np.maximum(factor * flops / procs / (dev.peak_flops * dev.efficiency),
                              factor * sum(tiles) / dev.memory_bandwidth) + factor * dev.op_overhead
+        compute = compute + self._folded(op, procs)
 
         comm = np.zeros(K)
         split = c > 1
@@ -157,6 +158,16 @@ class AnalyticCostModel:
         if op.kind == "lstm":
             comm += self._lstm_steps(graph, op, configs, c, strides)
         return NodeCosts(total=compute + comm, compute=compute, comm=comm, memory=memory)
+
+    def _folded(self, op: Op, procs: np.ndarray) -> np.ndarray | float:
+        """The cheap ops capture folded into ``op`` (norms, rotary, activations, casts): each reads and
+        writes its output once forward and twice backward (6 x ``folded_bytes`` of traffic, shared by
+        the op's devices), and costs two dispatches (forward and backward) of ``op_overhead``."""
+        n, nbytes = op.attr("folded_ops", 0), op.attr("folded_bytes", 0)
+        if not n:
+            return 0.0
+        dev = self.cluster.device
+        return 6.0 * nbytes / procs / dev.memory_bandwidth + 2.0 * n * dev.op_overhead
 
     def _halo(self, graph: Graph, op: Op, configs, c, strides) -> np.ndarray:
         """Ghost rows of the input from both neighbours, forward and backward, per split spatial dim."""
