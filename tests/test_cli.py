@@ -106,3 +106,19 @@ def test_bad_cluster_file(tmp_path, text, culprit):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and culprit in lines[0], lines
+
+
+def test_pipeline_flag_json(capsys):
+    out = run_json(capsys, "--model", "gpt", "--size", "125m", "--batch", "16", "--nodes", "1", "--pipeline")
+    assert out["method"] == "pipeline" and out["devices"] == 8
+    for key in ("stages", "num_microbatches", "schedule", "peak_memory_bytes", "bubble_fraction", "baselines"):
+        assert key in out
+    assert out["peak_memory_bytes"] <= 80e9
+    assert out["stages"][0]["layers"][0] == 0 and out["stages"][-1]["layers"][1] == 11
+    assert all("mesh_shape" in s and "data_parallel" in s for s in out["stages"])
+
+
+def test_pipeline_too_small_memory_names_it(capsys):
+    assert main(["plan", "--model", "gpt", "--size", "125m", "--batch", "16", "--nodes", "1", "--pipeline",
+                 "--memory-limit", "0.001"]) == 2
+    assert "GiB per device" in capsys.readouterr().err

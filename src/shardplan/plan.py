@@ -154,3 +154,96 @@ class Plan:
                 return Plan.from_json(fh.read(), source=f"plan file {path!r}")
         except OSError as exc:
             raise PlanError(f"plan file {path!r}: {exc.strerror}") from None
+
+
+PIPELINE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """One pipeline stage of a :class:`PipelinePlan` (layers inclusive; mesh is data x tensor)."""
+
+    layers: tuple[int, int]
+    data_parallel: int
+    tensor_parallel: int
+    recompute: str
+    zero: int
+    seconds_per_microbatch: float
+    memory_bytes: float
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        return (self.data_parallel, self.tensor_parallel)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline plan as a value: stages on sub-meshes, microbatches, schedule, estimate, baselines."""
+
+    model: str
+    devices: int
+    cluster: str | None
+    batch: int
+    stages: tuple[StageRecord, ...]
+    num_microbatches: int
+    schedule: str
+    cost: float
+    bubble_fraction: float
+    peak_memory_bytes: float
+    baselines: dict = field(default_factory=dict, hash=False)
+    search_seconds: float = 0.0
+    unit: str = "seconds"
+
+    @staticmethod
+    def from_result(result, cluster: str | None = None, baselines: dict | None = None) -> "PipelinePlan":
+        """From ``shardplan.search.pipeline.PipelineResult``."""
+        stages = tuple(StageRecord(tuple(s.layers), s.data_parallel, s.tensor_parallel, s.recompute, s.zero,
+                                   s.seconds_per_microbatch, s.memory_bytes) for s in result.stages)
+        return PipelinePlan(result.model, result.devices, cluster, result.batch, stages, result.num_microbatches,
+                            result.schedule, result.iteration_seconds, result.bubble_fraction,
+                            result.peak_memory_bytes, dict(baselines or {}), result.search_seconds)
+
+    def to_dict(self) -> dict:
+        return {"kind": "pipeline", "schema_version": PIPELINE_SCHEMA_VERSION, "model": self.model,
+                "devices": self.devices, "cluster": self.cluster, "batch": self.batch, "unit": self.unit,
+                "cost": self.cost, "num_microbatches": self.num_microbatches, "schedule": self.schedule,
+                "bubble_fraction": self.bubble_fraction, "peak_memory_bytes": self.peak_memory_bytes,
+                "search_seconds": self.search_seconds, "baselines": self.baselines,
+                "stages": [{"layers": list(s.layers), "mesh_shape": list(s.mesh_shape),
+                            "data_parallel": s.data_parallel, "tensor_parallel": s.tensor_parallel,
+                            "recompute": s.recompute, "zero": s.zero,
+                            "seconds_per_microbatch": s.seconds_per_microbatch, "memory_bytes": s.memory_bytes}
+                           for s in self.stages]}
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @staticmethod
+    def from_dict(raw: dict, source: str = "pipeline plan") -> "PipelinePlan":
+        if not isinstance(raw, dict) or raw.get("kind") != "pipeline":
+            raise PlanError(f"{source}: not a pipeline plan (expected \"kind\": \"pipeline\")")
+        if raw.get("schema_version") != PIPELINE_SCHEMA_VERSION:
+            raise PlanError(f"{source}: pipeline schema_version {raw.get('schema_version')!r} is not supported "
+                            f"(this shardplan reads version {PIPELINE_SCHEMA_VERSION})")
+        try:
+            stages = tuple(StageRecord((int(s["layers"][0]), int(s["layers"][1])), int(s["data_parallel"]),
+                                       int(s["tensor_parallel"]), str(s["recompute"]), int(s["zero"]),
+                                       float(s["seconds_per_microbatch"]), float(s["memory_bytes"]))
+                           for s in raw["stages"])
+            return PipelinePlan(raw["model"], int(raw["devices"]), raw.get("cluster"), int(raw["batch"]), stages,
+                                int(raw["num_microbatches"]), raw["schedule"], float(raw["cost"]),
+                                float(raw["bubble_fraction"]), float(raw["peak_memory_bytes"]),
+                                dict(raw.get("baselines", {})), float(raw.get("search_seconds", 0.0)),
+                                raw.get("unit", "seconds"))
+        except KeyError as exc:
+            raise PlanError(f"{source}: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError, IndexError) as exc:
+            raise PlanError(f"{source}: malformed pipeline plan ({exc})") from None
+
+    @staticmethod
+    def from_json(text: str, source: str = "pipeline plan") -> "PipelinePlan":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{source}: not valid JSON ({exc})") from None
+        return PipelinePlan.from_dict(raw, source)

@@ -59,6 +59,8 @@ def _plan(args: argparse.Namespace) -> int:
     _positive("--memory-limit", args.memory_limit)
     model, cluster, devices = _cost_model(args)
     graph = _graph(args)
+    if model.name == "analytic" and (args.pipeline or _needs_pipeline(graph, cluster)):
+        return _plan_pipeline(args, graph, cluster, devices)
     limit = None
     if args.memory_limit is not None:
         limit = args.memory_limit * GIB
@@ -92,6 +94,65 @@ def _plan(args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
     _print(plan, graph, details, solution, limit, tables)
+    return 0
+
+
+GPT3_BATCH = {"125m": 256, "350m": 256, "760m": 256, "1.3b": 512, "2.7b": 512, "6.7b": 1024, "13b": 1024,
+              "175b": 1536}
+"""GPT-3's batch sizes in sequences of 2048 (Brown et al. 2020, Table 2.1: 0.5M ... 3.2M tokens)."""
+
+
+def _needs_pipeline(graph, cluster) -> bool:
+    """Model states (16 bytes/param, mixed-precision Adam) do not fit one node's devices: pipeline."""
+    if cluster is None or not any(op.layer is not None for op in graph.ops):
+        return False
+    return 16.0 * graph.num_params / cluster.devices_per_node > cluster.device.memory_bytes
+
+
+def _plan_pipeline(args, graph, cluster, devices) -> int:
+    from shardplan.search.pipeline import PipelineDoesNotFit, plan_pipeline, price_fixed
+
+    if args.batch is None and args.model == "gpt" and args.size in GPT3_BATCH:
+        graph = build_model("gpt", GPT3_BATCH[args.size], args.size)
+    limit = args.memory_limit * GIB if args.memory_limit is not None else None
+    try:
+        r = plan_pipeline(graph, cluster, devices=devices, memory_limit_bytes=limit)
+    except PipelineDoesNotFit as exc:
+        raise UsageError(str(exc)) from None
+    baselines = {}
+    layers = len({op.layer for op in graph.ops if op.layer is not None})
+    if graph.hint("family") == "transformer" and layers % 16 == 0 and devices % 128 == 0:
+        try:  # Megatron-LM's GPT-3 175B layout: t = 8, p = 16, micro-batch 1, full recomputation
+            meg = price_fixed(graph, cluster, 8, devices // 128, 16, 1)
+            baselines["megatron"] = meg.iteration_seconds
+        except ValueError:
+            pass
+    from shardplan.plan import PipelinePlan
+
+    out = PipelinePlan.from_result(r, cluster=cluster.name, baselines=baselines).to_dict()
+    out.update(cost_model="analytic", method="pipeline")
+    if args.json == "-":
+        print(json.dumps(out))
+        return 0
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{graph.name} on {devices} devices of {cluster.name}: pipeline, batch {r.batch}")
+    for col in ("stage", "layers", "mesh d x t", "recompute", "ZeRO", "s / microbatch", "GiB per device"):
+        table.add_column(col)
+    for i, s in enumerate(r.stages):
+        table.add_row(str(i), f"{s.layers[0]}-{s.layers[1]}", f"{s.data_parallel} x {s.tensor_parallel}", s.recompute,
+                      str(s.zero), f"{s.seconds_per_microbatch:.4g}", f"{s.memory_bytes / GIB:.2f}")
+    console = Console()
+    console.print(table)
+    console.print(f"iteration: {r.iteration_seconds:.4g} s  ({r.schedule}, {r.num_microbatches} microbatches, "
+                  f"bubble {100 * r.bubble_fraction:.1f}%; search {r.search_seconds:.1f} s); peak memory "
+                  f"{r.peak_memory_bytes / GIB:.2f} GiB per device")
+    for name, cost in baselines.items():
+        console.print(f"speedup over {name}: {cost / r.iteration_seconds:.3f}x  ({name} {cost:.4g} s)")
     return 0
 
 
@@ -265,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds; past it the best plan so far is returned, flagged not optimal")
     p.add_argument("--json", default=None, help="write the plan as JSON to FILE, or - for stdout")
+    p.add_argument("--pipeline", action="store_true",
+                   help="use the pipeline planner (chosen anyway when the model states do not fit one node)")
     r = sub.add_parser("run", help="train K steps of a plan with torchrun and compare with the prediction")
     r.add_argument("--model", default=None, help="torch_mlp, torch_cnn, gpt2, llama or bert (small configs)")
     r.add_argument("--hf", default=None, help="a Hugging Face family (small default config; see --hf-config)")

@@ -1,0 +1,57 @@
+"""Pipeline plans for large GPTs next to Megatron-LM's published configuration, same cost model.
+
+    python benchmarks/large_models.py --models 175b --clusters dgx-a100 --gpus 1024
+
+Columns: search seconds (measured), plan (d, t, p, microbatches, schedule), predicted per-GPU TFLOP/s
+(6 N tokens model FLOPs / iteration / GPUs) and MFU against the device's peak, peak memory per device;
+then the same for Megatron-LM's configuration (t = 8, p = 16, micro-batch 1, full recomputation, 1F1B
+for 175B: NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh, global batch 1536).
+First version: only 175B has a Megatron row; other sizes print the searched plan only.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from shardplan.cluster.presets import get_cluster
+from shardplan.search.pipeline import PipelineDoesNotFit, plan_pipeline, price_fixed
+from shardplan.zoo.models import gpt
+
+BATCH = {"1.3b": 512, "13b": 1024, "175b": 1536}  # GPT-3 batch sizes (Brown et al. 2020, Table 2.1), sequences
+MEGATRON = {"175b": dict(t=8, p=16, micro_batch=1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="1.3b,13b,175b")
+    ap.add_argument("--clusters", default="dgx-a100,dgx-h100")
+    ap.add_argument("--gpus", default="8,64,1024")
+    args = ap.parse_args()
+    print("| model | cluster | GPUs | search s | d | t | p | m | schedule | TFLOP/s/GPU | MFU | peak GiB | "
+          "Megatron TFLOP/s/GPU | Megatron peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for size in args.models.split(","):
+        g = gpt(size=size, batch=BATCH[size])
+        flops = 6.0 * g.num_params * BATCH[size] * 2048
+        for name in args.clusters.split(","):
+            for n in map(int, args.gpus.split(",")):
+                c = get_cluster(name, devices=n)
+                try:
+                    r = plan_pipeline(g, c, devices=n)
+                except PipelineDoesNotFit as exc:
+                    print(f"| {size} | {name} | {n} | - | does not fit: {exc} |")
+                    continue
+                s0 = r.stages[0]
+                tf = flops / r.iteration_seconds / n / 1e12
+                meg = "-", "-"
+                if size in MEGATRON and n % (8 * MEGATRON[size]["p"]) == 0:
+                    cfg = MEGATRON[size]
+                    mr = price_fixed(g, c, cfg["t"], n // (cfg["t"] * cfg["p"]), cfg["p"], cfg["micro_batch"])
+                    meg = f"{flops / mr.iteration_seconds / n / 1e12:.0f}", f"{mr.peak_memory_bytes / 2**30:.1f}"
+                print(f"| {size} | {name} | {n} | {r.search_seconds:.1f} | {s0.data_parallel} | {s0.tensor_parallel} | "
+                      f"{len(r.stages)} | {r.num_microbatches} | {r.schedule} | {tf:.0f} | "
+                      f"{tf * 1e12 / c.device.peak_flops:.2f} | {r.peak_memory_bytes / 2**30:.1f} | {meg[0]} | {meg[1]} |")
+
+
+if __name__ == "__main__":
+    main()
