@@ -122,3 +122,11 @@ def test_pipeline_too_small_memory_names_it(capsys):
     assert main(["plan", "--model", "gpt", "--size", "125m", "--batch", "16", "--nodes", "1", "--pipeline",
                  "--memory-limit", "0.001"]) == 2
     assert "GiB per device" in capsys.readouterr().err
+
+
+def test_pipeline_baselines_include_fsdp_and_never_beat_the_search(capsys):
+    """Plain FSDP (ZeRO-3 over all 8 devices) is priced by the same model; the searched plan, whose
+    space contains that configuration, is never slower."""
+    out = run_json(capsys, "--model", "gpt", "--size", "125m", "--batch", "16", "--nodes", "1", "--pipeline")
+    assert "fsdp" in out["baselines"]
+    assert out["cost"] <= out["baselines"]["fsdp"] * (1 + 1e-9)

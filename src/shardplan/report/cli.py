@@ -127,6 +127,12 @@ def _plan_pipeline(args, graph, cluster, devices) -> int:
             baselines["megatron"] = meg.iteration_seconds
         except ValueError:
             pass
+    if r.batch % devices == 0:
+        # plain FSDP: ZeRO-3 over every device, no tensor or pipeline split, full recomputation, one
+        # micro-batch per step; a baseline only where it fits the device memory
+        fsdp = price_fixed(graph, cluster, 1, devices, 1, r.batch // devices, recompute="full", zero=3)
+        if fsdp.peak_memory_bytes <= (limit or cluster.device.memory_bytes):
+            baselines["fsdp"] = fsdp.iteration_seconds
     from shardplan.plan import PipelinePlan
 
     out = PipelinePlan.from_result(r, cluster=cluster.name, baselines=baselines).to_dict()
