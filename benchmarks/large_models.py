@@ -17,13 +17,24 @@ from shardplan.cluster.presets import get_cluster
 from shardplan.search.pipeline import PipelineDoesNotFit, plan_pipeline, price_fixed
 from shardplan.zoo.models import gpt
 
-BATCH = {"1.3b": 512, "13b": 1024, "175b": 1536}  # GPT-3 batch sizes (Brown et al. 2020, Table 2.1), sequences
+BATCH = {"1.3b": 512, "13b": 1024, "175b": 1536,  # GPT-3 batch sizes (Brown et al. 2020, Table 2.1), sequences
+         "llama70b": 1024}  # Llama 2: 4M tokens per batch = 1024 sequences of 4096 (Touvron et al. 2023)
+SEQ = {"llama70b": 4096}
+
+
+def model(size: str):
+    """A GPT-3 size, or ``llama70b``: Llama-2-70B's shape (80 layers, hidden 8192, 64 heads, context
+    4096) as a GPT block. Its 2-matrix MLP is 43008 wide so the MLP has SwiGLU's 3 x 8192 x 28672
+    parameters and FLOPs; attention has no GQA, so 77.5B parameters instead of 69B."""
+    if size == "llama70b":
+        return gpt(layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, batch=BATCH[size], ffn=43008)
+    return gpt(size=size, batch=BATCH[size])
 MEGATRON = {"175b": dict(t=8, p=16, micro_batch=1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="1.3b,13b,175b")
+    ap.add_argument("--models", default="1.3b,13b,175b,llama70b")
     ap.add_argument("--clusters", default="dgx-a100,dgx-h100")
     ap.add_argument("--gpus", default="8,64,1024")
     args = ap.parse_args()
@@ -31,8 +42,8 @@ def main() -> None:
           "Megatron TFLOP/s/GPU | Megatron peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.models.split(","):
-        g = gpt(size=size, batch=BATCH[size])
-        flops = 6.0 * g.num_params * BATCH[size] * 2048
+        g = model(size)
+        flops = 6.0 * g.num_params * BATCH[size] * SEQ.get(size, 2048)
         for name in args.clusters.split(","):
             for n in map(int, args.gpus.split(",")):
                 c = get_cluster(name, devices=n)
