@@ -22,6 +22,13 @@ class PlanError(ValueError):
     """A plan file that cannot be read, or that does not match the model it is applied to."""
 
 
+def _parse_json(text: str, source: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{source}: not valid JSON ({exc})") from None
+
+
 @dataclass(frozen=True)
 class OpPlan:
     name: str
@@ -141,11 +148,7 @@ class Plan:
 
     @staticmethod
     def from_json(text: str, source: str = "plan") -> "Plan":
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{source}: not valid JSON ({exc})") from None
-        return Plan.from_dict(raw, source)
+        return Plan.from_dict(_parse_json(text, source), source)
 
     @staticmethod
     def load(path: str) -> "Plan":
@@ -161,7 +164,8 @@ PIPELINE_SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class StageRecord:
-    """One pipeline stage of a :class:`PipelinePlan` (layers inclusive; mesh is data x tensor)."""
+    """One pipeline stage (layers inclusive, -1 / L stand for embeddings / head; mesh is data x tensor),
+    as the stage search returns it and a :class:`PipelinePlan` stores it."""
 
     layers: tuple[int, int]
     data_parallel: int
@@ -197,9 +201,8 @@ class PipelinePlan:
     @staticmethod
     def from_result(result, cluster: str | None = None, baselines: dict | None = None) -> "PipelinePlan":
         """From ``shardplan.search.pipeline.PipelineResult``."""
-        stages = tuple(StageRecord(tuple(s.layers), s.data_parallel, s.tensor_parallel, s.recompute, s.zero,
-                                   s.seconds_per_microbatch, s.memory_bytes) for s in result.stages)
-        return PipelinePlan(result.model, result.devices, cluster, result.batch, stages, result.num_microbatches,
+        return PipelinePlan(result.model, result.devices, cluster, result.batch, tuple(result.stages),
+                            result.num_microbatches,
                             result.schedule, result.iteration_seconds, result.bubble_fraction,
                             result.peak_memory_bytes, dict(baselines or {}), result.search_seconds)
 
@@ -242,8 +245,4 @@ class PipelinePlan:
 
     @staticmethod
     def from_json(text: str, source: str = "pipeline plan") -> "PipelinePlan":
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{source}: not valid JSON ({exc})") from None
-        return PipelinePlan.from_dict(raw, source)
+        return PipelinePlan.from_dict(_parse_json(text, source), source)

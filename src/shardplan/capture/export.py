@@ -99,6 +99,7 @@ class _Capture:
         self.op_names: dict[str, int] = {}
         self.cheap_bytes: dict[str, int] = {}  # folded compute node -> bytes of its output
         self.pending: dict[str, None] = {}  # folded nodes attached to the op being emitted
+        self.priced: set[str] = set()  # folded nodes already charged to some op
         self.limits: dict[str, dict[int, int]] = {}  # IR tensor -> axis -> split limit (view_limits)
         sig = ep.graph_signature
         self.param_of_input = dict(sig.inputs_to_parameters)
@@ -162,8 +163,8 @@ class _Capture:
             v = self.val(a)
             self.attach_params(v.params, consumer_inputs)
             for c in v.cheap:
-                if c not in self.attached:
-                    self.attached.add(c)
+                if c not in self.priced:
+                    self.priced.add(c)
                     self.pending[c] = None
 
     def attach_params(self, params, consumer_inputs: list[Operand]) -> None:

@@ -68,20 +68,30 @@ def _contiguous(sizes: tuple[int, ...], cfg: tuple[int, ...]) -> bool:
     return all(c == 1 for _, c in it)
 
 
-def split_limits(graph: Graph, op: Op) -> list[tuple[tuple[str, ...], int]]:
-    """(op dims, limit) for every operand axis of ``op`` whose tensor limits its split
-    (``TensorSpec.split_limits``): the product of those dims' factors must divide the limit."""
+@dataclass(frozen=True)
+class SplitLimit:
+    """Axis ``axis`` of ``tensor``, read or written by an op through ``dims``: the product of those
+    dims' split factors must divide ``limit`` (``TensorSpec.split_limits``)."""
+
+    tensor: str
+    axis: int
+    dims: tuple[str, ...]
+    limit: int
+
+
+def split_limits(graph: Graph, op: Op) -> list[SplitLimit]:
+    """Every operand axis of ``op`` whose tensor limits its split."""
     out = []
     for operand in op.inputs + op.outputs:
         spec = graph.tensor(operand.tensor)
         for axis, dims in enumerate(operand.axes):
             if dims and spec.limit(axis):
-                out.append((tuple(dims), spec.limit(axis)))
+                out.append(SplitLimit(operand.tensor, axis, tuple(dims), spec.limit(axis)))
     return out
 
 
 def enumerate_configs(op: Op, space: ConfigSpace, frozen: frozenset[str] = frozenset(),
-                      limits: list[tuple[tuple[str, ...], int]] = ()) -> np.ndarray:
+                      limits: list[SplitLimit] = ()) -> np.ndarray:
     """All configurations of ``op`` as an int64 array of shape (K, len(op.dims)).
 
     ``frozen`` names dims that must stay unsplit (on top of dims marked ``splittable=False``);
@@ -107,9 +117,9 @@ def enumerate_configs(op: Op, space: ConfigSpace, frozen: frozenset[str] = froze
             continue
         rows.append(cfg)
     index = {name: i for i, name in enumerate(op.dim_names)}
-    for dims, limit in limits:
-        cols = [index[d] for d in dims]
-        rows = [r for r in rows if limit % _prod(r[c] for c in cols) == 0]
+    for lim in limits:
+        cols = [index[d] for d in lim.dims]
+        rows = [r for r in rows if lim.limit % _prod(r[c] for c in cols) == 0]
     if op.kind == "reshape":
         sizes = tuple(d.size for d in op.dims)
         rows = [r for r in rows if _contiguous(sizes, r)]

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 
 from shardplan.cluster.mesh import MeshError, OpMesh
+from shardplan.cost.configs import split_limits
 from shardplan.ir.graph import Graph, Op, Operand
 from shardplan.plan import Plan, PlanError
 
@@ -65,14 +66,12 @@ def check_model(graph: Graph, plan: Plan) -> None:
             if f > 1 and dim.size % f:
                 raise ApplyError(f"op {op.name!r}: dim {d!r} of size {dim.size} does not split {f} ways evenly")
         factors = dict(p.split)
-        for operand in op.inputs + op.outputs:
-            spec = graph.tensor(operand.tensor)
-            for axis, dims in enumerate(operand.axes):
-                ways = math.prod(factors[d] for d in dims)
-                if spec.limit(axis) and spec.limit(axis) % ways:
-                    raise ApplyError(f"op {op.name!r} splits axis {axis} of {operand.tensor!r} {ways} ways, but the "
-                                     f"model views that axis as {spec.limit(axis)} blocks (heads); splits must "
-                                     f"divide {spec.limit(axis)}")
+        for lim in split_limits(graph, op):
+            ways = math.prod(factors[d] for d in lim.dims)
+            if lim.limit % ways:
+                raise ApplyError(f"op {op.name!r} splits axis {lim.axis} of {lim.tensor!r} {ways} ways, but the "
+                                 f"model views that axis as {lim.limit} blocks (heads); splits must "
+                                 f"divide {lim.limit}")
         if op.kind not in _RUNNABLE and p.devices > 1 and any(
                 f > 1 and d != "batch" for d, f in p.split):
             raise ApplyError(f"op {op.name!r} of kind {op.kind!r} can only be split by batch at run time")

@@ -87,12 +87,8 @@ def _plan(args: argparse.Namespace) -> int:
     out = plan.to_dict()
     out.update(baseline_details=details, build_seconds=tables.build_seconds,
                memory_limit_bytes=limit, peak_memory_bytes=solution.memory_bytes)
-    if args.json == "-":
-        print(json.dumps(out))
+    if _write_json(args, out):
         return 0
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
     _print(plan, graph, details, solution, limit, tables)
     return 0
 
@@ -100,6 +96,17 @@ def _plan(args: argparse.Namespace) -> int:
 GPT3_BATCH = {"125m": 256, "350m": 256, "760m": 256, "1.3b": 512, "2.7b": 512, "6.7b": 1024, "13b": 1024,
               "175b": 1536}
 """GPT-3's batch sizes in sequences of 2048 (Brown et al. 2020, Table 2.1: 0.5M ... 3.2M tokens)."""
+
+
+def _write_json(args, out: dict) -> bool:
+    """``--json -`` prints ``out`` and returns True (nothing else is printed); ``--json FILE`` writes it."""
+    if args.json == "-":
+        print(json.dumps(out))
+        return True
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return False
 
 
 def _needs_pipeline(graph, cluster) -> bool:
@@ -137,12 +144,8 @@ def _plan_pipeline(args, graph, cluster, devices) -> int:
 
     out = PipelinePlan.from_result(r, cluster=cluster.name, baselines=baselines).to_dict()
     out.update(cost_model="analytic", method="pipeline")
-    if args.json == "-":
-        print(json.dumps(out))
+    if _write_json(args, out):
         return 0
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
     from rich.console import Console
     from rich.table import Table
 
@@ -269,12 +272,7 @@ def _run(args: argparse.Namespace) -> int:
            "errors": result.get("rank_errors", []), "plan": plan.to_dict()["layers"]}
     if args.check:
         out["check"] = result.get("check", {"passed": False, "max_rel_diff": None})
-    if args.json == "-":
-        print(json.dumps(out))
-    else:
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(out, fh, indent=1)
+    if not _write_json(args, out):
         print(f"{model_name} on {devices} ranks: measured {out['measured_step_seconds']} s/step, predicted "
               f"{predicted:.4g} s/step ({cost_model.name} on {out['cluster']})")
         if args.check:

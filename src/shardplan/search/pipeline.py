@@ -34,6 +34,7 @@ from shardplan.cost.configs import divisors, operand_layouts
 from shardplan.cost.memory import RECOMPUTE, MemoryOptions, model_state_bytes, transformer_layer_activation_bytes
 from shardplan.cost.tables import build_tables
 from shardplan.ir.graph import DimKind, Dim, Graph, GraphError, Op, Operand, TensorSpec
+from shardplan.plan import StageRecord
 from shardplan.search.solve import GIB, PlanDoesNotFit, solve
 from shardplan.search.stage_dp import min_peak_memory, stage_dp
 
@@ -43,28 +44,13 @@ class PipelineDoesNotFit(PlanDoesNotFit):
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    layers: tuple[int, int]  # first and last layer, inclusive (-1 / L stand for embeddings / head)
-    data_parallel: int
-    tensor_parallel: int
-    recompute: str
-    zero: int
-    seconds_per_microbatch: float
-    memory_bytes: float
-
-    @property
-    def mesh_shape(self) -> tuple[int, int]:
-        return (self.data_parallel, self.tensor_parallel)
-
-
-@dataclass(frozen=True)
 class PipelineResult:
     model: str
     devices: int
     batch: int
     num_microbatches: int
     schedule: str
-    stages: tuple[StagePlan, ...]
+    stages: tuple[StageRecord, ...]
     iteration_seconds: float
     bubble_fraction: float
     peak_memory_bytes: float
@@ -304,7 +290,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
     for i, s in enumerate(sol.stages):
         infl = min(p - i, m) if sched == "1f1b" else m
         o = opts_list[s.option]
-        stages.append(StagePlan((s.first, s.last), d, t, o.recompute, o.zero, float(time[s.option, s.first, s.last]),
+        stages.append(StageRecord((s.first, s.last), d, t, o.recompute, o.zero, float(time[s.option, s.first, s.last]),
                                 float(static[s.option, s.first, s.last] + infl * act[s.option, s.first, s.last])))
     ideal = m * sol.sum_time / p  # every stage busy all the time, the work spread evenly
     pipe = value - sol.max_sync
@@ -338,7 +324,7 @@ def price_fixed(graph: Graph, cluster: Cluster, t: int, d: int, p: int, micro_ba
         infl = min(p - i, m) if schedule == "1f1b" else m
         ts.append(float(time[0, k, r]))
         ss.append(float(sync[0, k, r]))
-        stages.append(StagePlan((k, r), d, t, recompute, zero, ts[-1], float(static[0, k, r] + infl * act[0, k, r])))
+        stages.append(StageRecord((k, r), d, t, recompute, zero, ts[-1], float(static[0, k, r] + infl * act[0, k, r])))
     value = (m - 1) * max(ts) + sum(ts) + max(ss)
     bubble = max(0.0, 1.0 - (m * sum(ts) / p) / (value - max(ss)))
     return PipelineResult(graph.name, p * t * d, B, m, schedule, tuple(stages), value, bubble,
