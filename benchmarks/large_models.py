@@ -6,7 +6,8 @@ Columns: search seconds (measured), plan (d, t, p, microbatches, schedule), pred
 (6 N tokens model FLOPs / iteration / GPUs) and MFU against the device's peak, peak memory per device;
 then the same for Megatron-LM's configuration (t = 8, p = 16, micro-batch 1, full recomputation, 1F1B
 for 175B: NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh, global batch 1536).
-First version: only 175B has a Megatron row; other sizes print the searched plan only.
+Only 175B has a Megatron row. The last column is DAPPLE's rule (pipeline x data parallel, 1F1B, no
+tensor parallelism, ZeRO or recomputation; `search.pipeline.dapple`), searched by the same DP.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from shardplan.cluster.presets import get_cluster
-from shardplan.search.pipeline import PipelineDoesNotFit, plan_pipeline, price_fixed
+from shardplan.search.pipeline import PipelineDoesNotFit, dapple, plan_pipeline, price_fixed
 from shardplan.zoo.models import gpt
 
 BATCH = {"1.3b": 512, "13b": 1024, "175b": 1536,  # GPT-3 batch sizes (Brown et al. 2020, Table 2.1), sequences
@@ -39,8 +40,8 @@ def main() -> None:
     ap.add_argument("--gpus", default="8,64,1024")
     args = ap.parse_args()
     print("| model | cluster | GPUs | search s | d | t | p | m | schedule | TFLOP/s/GPU | MFU | peak GiB | "
-          "Megatron TFLOP/s/GPU | Megatron peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "Megatron TFLOP/s/GPU | Megatron peak GiB | DAPPLE rule TFLOP/s/GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.models.split(","):
         g = model(size)
         flops = 6.0 * g.num_params * BATCH[size] * SEQ.get(size, 2048)
@@ -59,9 +60,15 @@ def main() -> None:
                     cfg = MEGATRON[size]
                     mr = price_fixed(g, c, cfg["t"], n // (cfg["t"] * cfg["p"]), cfg["p"], cfg["micro_batch"])
                     meg = f"{flops / mr.iteration_seconds / n / 1e12:.0f}", f"{mr.peak_memory_bytes / 2**30:.1f}"
+                try:
+                    dp = f"{flops / dapple(g, c, devices=n).iteration_seconds / n / 1e12:.0f}"
+                except PipelineDoesNotFit:
+                    dp = "does not fit"
+                sched = r.schedule if r.chunks == 1 else f"{r.schedule} v={r.chunks}"
                 print(f"| {size} | {name} | {n} | {r.search_seconds:.1f} | {s0.data_parallel} | {s0.tensor_parallel} | "
-                      f"{len(r.stages)} | {r.num_microbatches} | {r.schedule} | {tf:.0f} | "
-                      f"{tf * 1e12 / c.device.peak_flops:.2f} | {r.peak_memory_bytes / 2**30:.1f} | {meg[0]} | {meg[1]} |")
+                      f"{len(r.stages) // r.chunks} | {r.num_microbatches} | {sched} | {tf:.0f} | "
+                      f"{tf * 1e12 / c.device.peak_flops:.2f} | {r.peak_memory_bytes / 2**30:.1f} | {meg[0]} | {meg[1]} | "
+                      f"{dp} |")
 
 
 if __name__ == "__main__":

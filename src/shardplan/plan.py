@@ -197,6 +197,13 @@ class PipelinePlan:
     baselines: dict = field(default_factory=dict, hash=False)
     search_seconds: float = 0.0
     unit: str = "seconds"
+    chunks: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B: ``stages`` lists the p x v chunks in pipeline
+    order, chunk j on rank j mod p); 1 for GPipe and 1F1B."""
+
+    @property
+    def pipeline_ranks(self) -> int:
+        return len(self.stages) // self.chunks
 
     @staticmethod
     def from_result(result, cluster: str | None = None, baselines: dict | None = None) -> "PipelinePlan":
@@ -204,12 +211,14 @@ class PipelinePlan:
         return PipelinePlan(result.model, result.devices, cluster, result.batch, tuple(result.stages),
                             result.num_microbatches,
                             result.schedule, result.iteration_seconds, result.bubble_fraction,
-                            result.peak_memory_bytes, dict(baselines or {}), result.search_seconds)
+                            result.peak_memory_bytes, dict(baselines or {}), result.search_seconds,
+                            chunks=getattr(result, "chunks", 1))
 
     def to_dict(self) -> dict:
         return {"kind": "pipeline", "schema_version": PIPELINE_SCHEMA_VERSION, "model": self.model,
                 "devices": self.devices, "cluster": self.cluster, "batch": self.batch, "unit": self.unit,
                 "cost": self.cost, "num_microbatches": self.num_microbatches, "schedule": self.schedule,
+                "chunks": self.chunks,
                 "bubble_fraction": self.bubble_fraction, "peak_memory_bytes": self.peak_memory_bytes,
                 "search_seconds": self.search_seconds, "baselines": self.baselines,
                 "stages": [{"layers": list(s.layers), "mesh_shape": list(s.mesh_shape),
@@ -237,7 +246,7 @@ class PipelinePlan:
                                 int(raw["num_microbatches"]), raw["schedule"], float(raw["cost"]),
                                 float(raw["bubble_fraction"]), float(raw["peak_memory_bytes"]),
                                 dict(raw.get("baselines", {})), float(raw.get("search_seconds", 0.0)),
-                                raw.get("unit", "seconds"))
+                                raw.get("unit", "seconds"), int(raw.get("chunks", 1)))
         except KeyError as exc:
             raise PlanError(f"{source}: missing field {exc.args[0]!r}") from None
         except (TypeError, ValueError, IndexError) as exc:

@@ -117,7 +117,7 @@ def _needs_pipeline(graph, cluster) -> bool:
 
 
 def _plan_pipeline(args, graph, cluster, devices) -> int:
-    from shardplan.search.pipeline import PipelineDoesNotFit, plan_pipeline, price_fixed
+    from shardplan.search.pipeline import PipelineDoesNotFit, dapple, plan_pipeline, price_fixed
 
     if args.batch is None and args.model == "gpt" and args.size in GPT3_BATCH:
         graph = build_model("gpt", GPT3_BATCH[args.size], args.size)
@@ -134,6 +134,10 @@ def _plan_pipeline(args, graph, cluster, devices) -> int:
             baselines["megatron"] = meg.iteration_seconds
         except ValueError:
             pass
+    try:
+        baselines["dapple"] = dapple(graph, cluster, devices=devices, memory_limit_bytes=limit).iteration_seconds
+    except PipelineDoesNotFit:
+        pass  # DAPPLE's space (no tensor parallelism, ZeRO or recomputation) has no plan that fits
     if r.batch % devices == 0:
         # plain FSDP: ZeRO-3 over every device, no tensor or pipeline split, full recomputation, one
         # micro-batch per step; a baseline only where it fits the device memory
@@ -150,14 +154,16 @@ def _plan_pipeline(args, graph, cluster, devices) -> int:
     from rich.table import Table
 
     table = Table(title=f"{graph.name} on {devices} devices of {cluster.name}: pipeline, batch {r.batch}")
-    for col in ("stage", "layers", "mesh d x t", "recompute", "ZeRO", "s / microbatch", "GiB per device"):
+    ranks = len(r.stages) // r.chunks
+    for col in ("stage", "rank", "layers", "mesh d x t", "recompute", "ZeRO", "s / microbatch", "GiB per device"):
         table.add_column(col)
     for i, s in enumerate(r.stages):
-        table.add_row(str(i), f"{s.layers[0]}-{s.layers[1]}", f"{s.data_parallel} x {s.tensor_parallel}", s.recompute,
-                      str(s.zero), f"{s.seconds_per_microbatch:.4g}", f"{s.memory_bytes / GIB:.2f}")
+        table.add_row(str(i), str(i % ranks), f"{s.layers[0]}-{s.layers[1]}", f"{s.data_parallel} x {s.tensor_parallel}",
+                      s.recompute, str(s.zero), f"{s.seconds_per_microbatch:.4g}", f"{s.memory_bytes / GIB:.2f}")
     console = Console()
     console.print(table)
-    console.print(f"iteration: {r.iteration_seconds:.4g} s  ({r.schedule}, {r.num_microbatches} microbatches, "
+    sched = r.schedule if r.chunks == 1 else f"{r.schedule} 1F1B, {r.chunks} chunks per rank"
+    console.print(f"iteration: {r.iteration_seconds:.4g} s  ({sched}, {r.num_microbatches} microbatches, "
                   f"bubble {100 * r.bubble_fraction:.1f}%; search {r.search_seconds:.1f} s); peak memory "
                   f"{r.peak_memory_bytes / GIB:.2f} GiB per device")
     for name, cost in baselines.items():

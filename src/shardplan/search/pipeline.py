@@ -14,7 +14,19 @@ microbatch's gradients, ZeRO-3 also all-gathers the weights forward and backward
 Search space (exact over it through ``stage_dp``): all stages share one sub-mesh shape d x t (as in
 Megatron-LM); per stage its layers, recomputation and ZeRO level; the number of stages; t in powers
 of two up to a node; d with d | batch; every microbatch count m with (batch / d) % m == 0; GPipe or
-1F1B. Known approximations: point-to-point is priced on the lowest level holding two adjacent stage
+1F1B.
+
+Interleaved 1F1B (Narayanan et al., SC 2021, section 2.2.2) is searched by enumeration over its own,
+smaller space, as Megatron-LM runs it: the L layers cut into p x v equal chunks, chunk j on pipeline
+rank j mod p, one recomputation/ZeRO option for all chunks, m a multiple of p. Its iteration time is
+
+    T = m * max_i D_i + (p - 1) * max_j C_j + max_i S_i
+
+with C_j a chunk's seconds per microbatch (point-to-point included), D_i = sum of rank i's v chunks
+and S_i the sum of its chunks' gradient syncs: Narayanan's bubble ``(p - 1) / v`` of a rank's
+microbatch time, exact for equal chunks and the larger of the two readings when the first or last
+chunk also carries the embeddings or head. Activations in flight per rank follow
+``cost.memory.inflight_microbatches("interleaved", ...)``. Known approximations: point-to-point is priced on the lowest level holding two adjacent stage
 groups (a boundary at a node edge inside a pipeline of sub-node stages is under-priced); per-microbatch
 gradient all-reduces of batch splits *inside* a stage's t devices are charged every microbatch.
 """
@@ -55,6 +67,9 @@ class PipelineResult:
     bubble_fraction: float
     peak_memory_bytes: float
     search_seconds: float
+    chunks: int = 1
+    """Model chunks per pipeline rank: 1, or v >= 2 for interleaved 1F1B (``stages`` then lists the p x v
+    chunks in pipeline order, chunk j on rank j mod p)."""
 
 
 def layer_chain(graph: Graph) -> tuple[list[int], list[list[int]], list[int]]:
@@ -229,14 +244,61 @@ def _config_arrays(pricer: _Pricer, t: int, d: int, b: int, m: int, opts_list, l
     return time, sync, maxin, static, act
 
 
-def option_list(d: int) -> list[MemoryOptions]:
-    zeros = (0, 1, 2, 3) if d > 1 else (0,)
-    return [MemoryOptions(zero=z, recompute=r) for r in RECOMPUTE for z in zeros]
+def option_list(d: int, zero_levels=(0, 1, 2, 3), recompute=RECOMPUTE) -> list[MemoryOptions]:
+    zeros = tuple(zero_levels) if d > 1 else (0,)
+    return [MemoryOptions(zero=z, recompute=r) for r in recompute for z in zeros]
+
+
+def _interleaved_layout(arrays, p: int, v: int, m: int, L: int):
+    """Every option's (value, per-rank time, sync, memory) for p ranks x v equal chunks; see the module doc."""
+    from shardplan.cost.memory import inflight_microbatches
+
+    time, sync, _, static, act = arrays
+    c = L // (p * v)
+    ranges = [(j * c, (j + 1) * c - 1) for j in range(p * v)]
+    k = np.array([rg[0] for rg in ranges])
+    r = np.array([rg[1] for rg in ranges])
+    ct, cs, cst, cact = time[:, k, r], sync[:, k, r], static[:, k, r], act[:, k, r]  # (O, p v)
+    rank = np.arange(p * v) % p
+    infl = [inflight_microbatches("interleaved", p, i, m, v) for i in range(p)]
+    dev_t = np.stack([ct[:, rank == i].sum(axis=1) for i in range(p)], axis=1)  # (O, p)
+    dev_s = np.stack([cs[:, rank == i].sum(axis=1) for i in range(p)], axis=1)
+    dev_mem = np.stack([cst[:, rank == i].sum(axis=1) + infl[i] * cact[:, rank == i].sum(axis=1)
+                        for i in range(p)], axis=1)
+    value = m * dev_t.max(axis=1) + (p - 1) * ct.max(axis=1) + dev_s.max(axis=1)
+    return ranges, value, dev_t, dev_s, dev_mem
+
+
+def _interleaved(arrays, m: int, L: int, max_stages: int, limit: float, best_value: float):
+    """Best interleaved-1F1B layout for one (t, d, microbatch), better than ``best_value``:
+    (value, p, v, option, chunk ranges, per-rank time, sync, memory), or None.
+    Enumerates p (ranks) and v >= 2 (chunks per rank) with p * v | L and p | m."""
+    found = None
+    for p in range(2, max_stages + 1):
+        if m % p:
+            continue
+        for v in range(2, L // p + 1):
+            if L % (p * v):
+                continue
+            ranges, value, dev_t, dev_s, dev_mem = _interleaved_layout(arrays, p, v, m, L)
+            value = np.where(dev_mem.max(axis=1) <= limit, value, np.inf)
+            o = int(np.argmin(value))
+            if np.isfinite(value[o]) and value[o] < min(best_value, math.inf if found is None else found[0]):
+                found = (float(value[o]), p, v, o, ranges, dev_t[o], dev_s[o], dev_mem[o])
+    return found
 
 
 def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
-                  memory_limit_bytes: float | None = None, schedules=("1f1b", "gpipe")) -> PipelineResult:
-    """Fastest pipeline plan for ``graph`` (its batch is the global batch) on ``devices`` of ``cluster``."""
+                  memory_limit_bytes: float | None = None,
+                  schedules=("1f1b", "gpipe", "interleaved"), max_tensor_parallel: int | None = None,
+                  zero_levels=(0, 1, 2, 3), recompute=RECOMPUTE) -> PipelineResult:
+    """Fastest pipeline plan for ``graph`` (its batch is the global batch) on ``devices`` of ``cluster``.
+
+    ``schedules``, ``max_tensor_parallel``, ``zero_levels`` and ``recompute`` narrow the search space
+    (e.g. :func:`dapple` searches 1F1B, no tensor parallelism, no ZeRO, no recomputation)."""
+    unknown = set(schedules) - {"1f1b", "gpipe", "interleaved"}
+    if unknown or not schedules:
+        raise ValueError(f"unknown schedule(s) {sorted(unknown)}; known: 1f1b, gpipe, interleaved")
     start = _time.perf_counter()
     N = devices or cluster.num_devices
     limit = cluster.device.memory_bytes if memory_limit_bytes is None else memory_limit_bytes
@@ -247,7 +309,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
     lean = math.inf
     t = 1
     configs = []
-    while t <= min(cluster.devices_per_node, N):
+    while t <= min(cluster.devices_per_node, N, max_tensor_parallel or N):
         for d in [x for x in divisors(B) if t * x <= N and (x & (x - 1)) == 0]:
             for b in divisors(B // d):
                 configs.append((t, d, b))
@@ -261,17 +323,32 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
         max_stages = min(L, N // (t * d))
         work = (pricer.part("pre", 0, t, b).seconds + pricer.part("post", 0, t, b).seconds
                 + sum(pricer.part("layer", i, t, b).seconds for i in range(L)))
-        bounded.append(((m - 1) * work / max_stages + work, t, d, b))
+        # interleaved on p ranks: T >= m max D + (p - 1) max C >= m A / p + (p - 1) (slowest layer)
+        slowest = max(pricer.part("layer", i, t, b).seconds for i in range(L))
+        lb_int = min((m * work / p + (p - 1) * slowest for p in range(2, max_stages + 1)
+                      if m % p == 0 and any(L % (p * v) == 0 for v in range(2, L // p + 1))), default=math.inf)
+        lb_int = lb_int if "interleaved" in schedules else math.inf
+        lb_seq = (m - 1) * work / max_stages + work if set(schedules) - {"interleaved"} else math.inf
+        bounded.append((min(lb_seq, lb_int), lb_seq, lb_int, t, d, b))
     bounded.sort()
-    for lb, t, d, b in bounded:
+    for lb, lb_seq, lb_int, t, d, b in bounded:
         if best is not None and lb >= best[0]:
             break
         m = B // d // b
-        opts_list = option_list(d)
+        opts_list = option_list(d, zero_levels, recompute)
         max_stages = min(L, N // (t * d))
         arrays = _config_arrays(pricer, t, d, b, m, opts_list, limit)
         time, sync, maxin, static, act = arrays
+        if "interleaved" in schedules and (best is None or lb_int < best[0]):
+            found = _interleaved(arrays, m, L, max_stages, limit,
+                                 math.inf if best is None else best[0])
+            if found is not None:
+                best = (found[0], found, t, d, b, m, "interleaved", arrays, opts_list)
+        if best is not None and lb_seq >= best[0]:
+            continue
         for sched in schedules:
+            if sched == "interleaved":
+                continue
             inflight = np.array([min(j + 1, m) if sched == "1f1b" else m for j in range(max_stages)], float)
             sol = stage_dp(time, sync, maxin, inflight, alpha=float(m - 1), beta=1.0, max_stages=max_stages)
             if sol is None:
@@ -285,6 +362,15 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
             f"pipeline plan; the leanest needs {lean / GIB:.1f} GiB per device. Use devices with at least "
             f"{lean / GIB:.1f} GiB or more devices.")
     value, sol, t, d, b, m, sched, (time, sync, maxin, static, act), opts_list = best
+    if sched == "interleaved":
+        _, p, v, o, ranges, dev_t, dev_s, dev_mem = sol
+        opt = opts_list[o]
+        stages = tuple(StageRecord(rg, d, t, opt.recompute, opt.zero, float(time[o, rg[0], rg[1]]),
+                                   float(dev_mem[j % p])) for j, rg in enumerate(ranges))
+        ideal = m * float(dev_t.sum()) / p
+        pipe = value - float(dev_s.max())
+        return PipelineResult(graph.name, p * t * d, B, m, sched, stages, value, max(0.0, 1.0 - ideal / pipe),
+                              float(dev_mem.max()), _time.perf_counter() - start, chunks=v)
     p = len(sol.stages)
     stages = []
     for i, s in enumerate(sol.stages):
@@ -301,7 +387,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
 
 def price_fixed(graph: Graph, cluster: Cluster, t: int, d: int, p: int, micro_batch: int,
                 recompute: str = "full", zero: int = 0, schedule: str = "1f1b",
-                memory_limit_bytes: float | None = None) -> PipelineResult:
+                memory_limit_bytes: float | None = None, chunks: int = 1) -> PipelineResult:
     """A hand-written configuration (uniform partition of the layers into p stages) priced by the same
     model as the search: e.g. Megatron-LM's GPT-3 175B, t = 8, p = 16, micro-batch 1, full
     recomputation (NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh; Narayanan et al.
@@ -316,7 +402,19 @@ def price_fixed(graph: Graph, cluster: Cluster, t: int, d: int, p: int, micro_ba
                          f"micro-batch {micro_batch}")
     m = B // (d * micro_batch)
     opts = MemoryOptions(zero=zero, recompute=recompute)
-    time, sync, maxin, static, act = _config_arrays(pricer, t, d, micro_batch, m, [opts], limit)
+    arrays = _config_arrays(pricer, t, d, micro_batch, m, [opts], limit)
+    time, sync, maxin, static, act = arrays
+    if schedule == "interleaved":
+        if chunks < 2 or L % (p * chunks):
+            raise ValueError(f"interleaved 1F1B needs chunks >= 2 with p x chunks dividing {L} layers; got "
+                             f"p={p}, chunks={chunks}")
+        ranges, value, dev_t, dev_s, dev_mem = _interleaved_layout(arrays, p, chunks, m, L)
+        stages = tuple(StageRecord(rg, d, t, recompute, zero, float(time[0, rg[0], rg[1]]), float(dev_mem[0, j % p]))
+                       for j, rg in enumerate(ranges))
+        pipe = float(value[0] - dev_s[0].max())
+        bubble = max(0.0, 1.0 - (m * float(dev_t[0].sum()) / p) / pipe)
+        return PipelineResult(graph.name, p * t * d, B, m, schedule, stages, float(value[0]), bubble,
+                              float(dev_mem[0].max()), _time.perf_counter() - start, chunks=chunks)
     per = L // p
     stages, ts, ss = [], [], []
     for i in range(p):
@@ -329,3 +427,14 @@ def price_fixed(graph: Graph, cluster: Cluster, t: int, d: int, p: int, micro_ba
     bubble = max(0.0, 1.0 - (m * sum(ts) / p) / (value - max(ss)))
     return PipelineResult(graph.name, p * t * d, B, m, schedule, tuple(stages), value, bubble,
                           max(s.memory_bytes for s in stages), _time.perf_counter() - start)
+
+
+def dapple(graph: Graph, cluster: Cluster, devices: int | None = None,
+           memory_limit_bytes: float | None = None) -> PipelineResult:
+    """DAPPLE's planning rule (Fan et al., PPoPP 2021) under this cost model: synchronous pipeline of
+    data-parallel stage replicas with early-backward (1F1B) scheduling, no tensor parallelism inside a
+    stage, no ZeRO sharding and no recomputation (DAPPLE bounds memory by its schedule instead). Searched
+    exactly by the same DP, restricted to that space; one replication degree for all stages (DAPPLE
+    allows a degree per stage, so this baseline can be slightly pessimistic)."""
+    return plan_pipeline(graph, cluster, devices, memory_limit_bytes, schedules=("1f1b",), max_tensor_parallel=1,
+                         zero_levels=(0,), recompute=("none",))
