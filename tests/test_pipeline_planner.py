@@ -102,3 +102,22 @@ def test_dapple_rule_is_a_restriction_of_the_search():
     assert full.iteration_seconds <= rule.iteration_seconds * (1 + 1e-12)
     with pytest.raises(ValueError, match="unknown schedule"):
         plan_pipeline(g, c, schedules=("zb",))
+
+
+def test_price_pipeline_reprices_a_plan_exactly():
+    """Repricing a searched plan (and a fixed interleaved one) on the same cluster gives its own figures."""
+    from shardplan.plan import PipelinePlan
+    from shardplan.search.pipeline import price_pipeline
+
+    g, c = gpt(layers=8, hidden=1024, heads=8, seq=512, vocab=512, batch=16), get_cluster("dgx-a100", nodes=1)
+    for r in (plan_pipeline(g, c, memory_limit_bytes=2e9),
+              price_fixed(g, c, 1, 2, 2, micro_batch=2, recompute="none", schedule="interleaved", chunks=2)):
+        plan = PipelinePlan.from_result(r, cluster=c.name)
+        again = price_pipeline(g, c, plan)
+        assert again.iteration_seconds == pytest.approx(r.iteration_seconds, rel=1e-9)
+        assert again.peak_memory_bytes == pytest.approx(r.peak_memory_bytes, rel=1e-9)
+    bad = PipelinePlan.from_result(r, cluster=c.name)
+    bad = PipelinePlan(bad.model, bad.devices, bad.cluster, bad.batch, bad.stages[:-1], bad.num_microbatches,
+                       bad.schedule, bad.cost, bad.bubble_fraction, bad.peak_memory_bytes, chunks=bad.chunks)
+    with pytest.raises(ValueError, match="do not cover the 8 layers"):
+        price_pipeline(g, c, bad)

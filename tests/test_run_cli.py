@@ -52,3 +52,45 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert cluster.device.memory_bandwidth > 1e8
     assert cluster.levels[0].fanout == 2
     assert cluster.levels[0].bandwidth > 0 and cluster.levels[0].latency >= 0
+
+
+def _pipeline_plan(tmp_path, model, config, p, chunks, schedule, t=1, batch=4):
+    from shardplan.capture import capture
+    from shardplan.capture.models import build
+    from shardplan.cluster.presets import get_cluster
+    from shardplan.plan import PipelinePlan
+    from shardplan.search.pipeline import price_fixed
+
+    module, kwargs = build(model, batch=batch, seq=16, **config)
+    graph = capture(module, (), kwargs, name=model)
+    c = get_cluster("dgx-a100", nodes=1)
+    r = price_fixed(graph, c, t, 1, p, micro_batch=1, recompute="none", schedule=schedule, chunks=chunks)
+    path = tmp_path / f"{model}-pipeline.json"
+    path.write_text(PipelinePlan.from_result(r, cluster=c.name).to_json())
+    return path
+
+
+def test_run_interleaved_pipeline_plan_file_matches_single_device(tmp_path):
+    """A pipeline plan file (2 ranks x 2 chunks, interleaved 1F1B, 4 microbatches) runs under torchrun
+    and equals the single-device loss and gradients."""
+    path = _pipeline_plan(tmp_path, "llama", {"num_hidden_layers": 4}, p=2, chunks=2, schedule="interleaved")
+    proc = subprocess.run([sys.executable, "-m", "shardplan.report.cli", "run", "--model", "llama", "--hf-config",
+                           "num_hidden_layers=4", "--devices", "2", "--steps", "2", "--plan", str(path), "--check",
+                           "--json", "-"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["kind"] == "pipeline" and out["chunks"] == 2 and out["schedule"] == "interleaved"
+    assert [s["layers"] for s in out["plan"]] == [[0, 0], [1, 1], [2, 2], [3, 3]]
+    assert out["check"]["passed"] is True and out["check"]["max_rel_diff"] <= 1e-5
+    assert out["measured_step_seconds"] > 0 and out["predicted_step_seconds"] > 0
+
+
+def test_pipeline_plan_refusals_before_launch(tmp_path, capsys):
+    path = _pipeline_plan(tmp_path, "gpt2", {}, p=2, chunks=1, schedule="1f1b")
+    assert main(["run", "--model", "gpt2", "--devices", "4", "--plan", str(path)]) == 2
+    assert "for 2 devices, not 4" in capsys.readouterr().err
+    assert main(["run", "--model", "llama", "--devices", "2", "--plan", str(path)]) == 2
+    assert "pipeline plan for 'gpt2', not 'llama'" in capsys.readouterr().err
+    tp = _pipeline_plan(tmp_path, "gpt2", {}, p=2, chunks=1, schedule="1f1b", t=2)
+    assert main(["run", "--model", "gpt2", "--devices", "4", "--plan", str(tp)]) == 2
+    assert "tensor parallelism inside a pipeline stage" in capsys.readouterr().err

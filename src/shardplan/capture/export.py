@@ -562,4 +562,34 @@ def capture(module: torch.nn.Module, example_inputs=(), example_kwargs: dict | N
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds; report them in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export failed on {name!r}: {type(exc).__name__}: {first}") from None
-    return _Capture(ep, name, dtype_bytes).run()
+    return _with_layers(_Capture(ep, name, dtype_bytes).run(), module)
+
+
+def block_list(module: torch.nn.Module) -> str | None:
+    """FQN of the model's repeated blocks: the ``nn.ModuleList`` of at least two children of one type
+    holding the most parameters (``transformer.h``, ``model.layers``, ``encoder.layer``), or None."""
+    best, size = None, 0
+    for fqn, sub in module.named_modules():
+        if isinstance(sub, torch.nn.ModuleList) and len(sub) >= 2 and len({type(c) for c in sub}) == 1:
+            n = sum(p.numel() for p in sub.parameters())
+            if n > size:
+                best, size = fqn, n
+    return best
+
+
+def _with_layers(graph: Graph, module: torch.nn.Module) -> Graph:
+    """Set ``op.layer`` to the block index for ops run inside the repeated blocks (for pipeline stages)."""
+    import dataclasses
+
+    blocks = block_list(module)
+    if blocks is None:
+        return graph
+    prefix = blocks + "."
+    ops = []
+    for op in graph.ops:
+        layer = None
+        if op.module and op.module.startswith(prefix):
+            head = op.module[len(prefix):].split(".", 1)[0]
+            layer = int(head) if head.isdigit() else None
+        ops.append(dataclasses.replace(op, layer=layer))
+    return Graph(graph.name, tuple(ops), graph.tensors, graph.meta)

@@ -76,3 +76,80 @@ def launch(model: str, config: str, batch: int, seq: int, plan: Plan, steps: int
                 with open(os.path.join(tmp, name)) as fh:
                     result["rank_errors"] += json.load(fh).get("rank_errors", [])
     return result
+
+
+def is_pipeline_plan(path: str | None) -> bool:
+    """Whether the plan file at ``path`` is a pipeline plan (``"kind": "pipeline"``)."""
+    if not path:
+        return False
+    from shardplan.plan import PlanError, _parse_json
+
+    try:
+        with open(path) as fh:
+            raw = _parse_json(fh.read(), f"plan file {path!r}")
+    except OSError as exc:
+        raise PlanError(f"plan file {path!r}: {exc.strerror}") from None
+    return isinstance(raw, dict) and raw.get("kind") == "pipeline"
+
+
+def prepare_pipeline(model: str, config: str, batch: int, seq: int, devices: int, cluster, plan_file: str | None):
+    """(pipeline plan, predicted seconds) after every check that can fail before a process starts: the
+    plan file (or, without one, the pipeline search restricted to what runs here: no tensor parallelism
+    inside a stage) against the model's blocks, the device count and the batch."""
+    from shardplan.execute.pipeline import PipelineError, PipelineSpec, check_pipeline, find_layout
+    from shardplan.plan import PipelinePlan, PlanError
+    from shardplan.search.pipeline import plan_pipeline, price_pipeline
+
+    if model not in RUNNABLE:
+        raise ApplyError(f"shardplan run knows models {', '.join(RUNNABLE)}; got {model!r}")
+    module, kwargs = build(model, batch=batch, seq=seq, **parse_config(config))
+    graph = capture(module, (), kwargs, name=model)
+    try:
+        layout = find_layout(module)
+    except PipelineError as exc:
+        raise ApplyError(str(exc)) from None
+    if plan_file:
+        try:
+            with open(plan_file) as fh:
+                plan = PipelinePlan.from_json(fh.read(), source=f"plan file {plan_file!r}")
+        except OSError as exc:
+            raise PlanError(f"plan file {plan_file!r}: {exc.strerror}") from None
+        if plan.model != graph.name:
+            raise PlanError(f"plan file {plan_file!r} is a pipeline plan for {plan.model!r}, not {graph.name!r}")
+    else:
+        r = plan_pipeline(graph, cluster, devices, schedules=("1f1b", "gpipe"), max_tensor_parallel=1,
+                          exact_devices=True)
+        plan = PipelinePlan.from_result(r, cluster=cluster.name)
+    if plan.devices != devices:
+        raise PlanError(f"the pipeline plan is for {plan.devices} devices, not {devices}")
+    try:
+        check_pipeline(PipelineSpec.from_plan(plan), layout.count, devices, batch)
+    except PipelineError as exc:
+        raise ApplyError(str(exc)) from None
+    try:
+        predicted = price_pipeline(graph, cluster, plan).iteration_seconds
+    except ValueError as exc:
+        raise PlanError(f"pipeline plan does not match {graph.name!r}: {exc}") from None
+    return plan, predicted
+
+
+def launch_pipeline(model: str, config: str, batch: int, seq: int, plan, steps: int, do_check: bool,
+                    timeout_s: float = 600.0) -> dict:
+    """torchrun ``shardplan.execute.pipeline_worker`` on the plan's devices; its JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = os.path.join(tmp, "plan.json")
+        out_path = os.path.join(tmp, "result.json")
+        with open(plan_path, "w") as fh:
+            fh.write(plan.to_json())
+        args = ["--model", model, "--config", config or "", "--batch", str(batch), "--seq", str(seq),
+                "--plan", plan_path, "--steps", str(steps), "--out", out_path] + (["--check"] if do_check else [])
+        proc = torchrun(plan.devices, "shardplan.execute.pipeline_worker", args, timeout_s)
+        if not os.path.exists(out_path):
+            raise RuntimeError(f"torchrun exited with {proc.returncode} and no result:\n{last_lines(proc)}")
+        with open(out_path) as fh:
+            result = json.load(fh)
+        for name in os.listdir(tmp):
+            if name.startswith("result.json.rank"):
+                with open(os.path.join(tmp, name)) as fh:
+                    result["rank_errors"] += json.load(fh).get("rank_errors", [])
+    return result

@@ -41,23 +41,34 @@ class PipelineSpec:
     stages: tuple[StageSpec, ...]
     num_microbatches: int
     schedule: str
+    chunks: int = 2
+    """Stages per rank under interleaved 1F1B (stage j on pipeline rank j mod ranks); 1 otherwise."""
 
     @classmethod
     def from_stages(cls, layer_ranges, num_microbatches: int, schedule: str, data_parallel: int = 1,
-                    tensor_parallel: int = 1) -> "PipelineSpec":
+                    tensor_parallel: int = 1, chunks: int = 2) -> "PipelineSpec":
         """``layer_ranges``: (first, last) block indices per stage, inclusive, in pipeline order."""
         ranges = [tuple(r) for r in layer_ranges]
         n = len(ranges)
         return cls(tuple(StageSpec(a, b, embedding=i == 0, head=i == n - 1, data_parallel=data_parallel,
                                    tensor_parallel=tensor_parallel) for i, (a, b) in enumerate(ranges)),
-                   num_microbatches, schedule)
+                   num_microbatches, schedule, chunks)
+
+    @classmethod
+    def from_plan(cls, plan) -> "PipelineSpec":
+        """From a :class:`shardplan.plan.PipelinePlan` (its ``interleaved`` schedule runs as
+        ``interleaved_1f1b`` with the plan's chunks per rank)."""
+        schedule = "interleaved_1f1b" if plan.schedule == "interleaved" else plan.schedule
+        return cls(tuple(StageSpec(s.layers[0], s.layers[1], embedding=i == 0, head=i == len(plan.stages) - 1,
+                                   data_parallel=s.data_parallel, tensor_parallel=s.tensor_parallel)
+                         for i, s in enumerate(plan.stages)), plan.num_microbatches, schedule, plan.chunks)
 
     @property
     def data_parallel(self) -> int:
         return self.stages[0].data_parallel if self.stages else 1
 
     def stages_per_rank(self) -> int:
-        return 2 if self.schedule == "interleaved_1f1b" else 1
+        return self.chunks if self.schedule == "interleaved_1f1b" else 1
 
     def pipeline_ranks(self) -> int:
         return len(self.stages) // self.stages_per_rank()
@@ -111,6 +122,11 @@ def check_pipeline(spec: PipelineSpec, num_blocks: int, world_size: int, batch: 
                             f"0..{num_blocks - 1} exactly once, in order (missing {missing}, repeated or "
                             f"out of range {extra})")
     v = spec.stages_per_rank()
+    if spec.schedule == "interleaved_1f1b" and v < 2:
+        raise PipelineError(f"interleaved 1F1B needs at least 2 stages per rank; the spec has {v}")
+    if spec.schedule == "interleaved_1f1b" and spec.num_microbatches % (len(spec.stages) // v):
+        raise PipelineError(f"interleaved 1F1B needs a microbatch count ({spec.num_microbatches}) that the "
+                            f"{len(spec.stages) // v} pipeline ranks divide")
     if len(spec.stages) % v:
         raise PipelineError(f"schedule {spec.schedule!r} puts {v} stages on each rank; {len(spec.stages)} "
                             f"stages do not divide")

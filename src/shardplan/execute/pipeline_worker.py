@@ -1,7 +1,11 @@
-"""One rank of a pipeline check (started by torchrun): run each case of a JSON list and save this rank's
-loss and gradients (``torch.save``) for the caller to compare with the single-device model.
+"""One rank of a pipeline run (started by torchrun).
 
-A case is ``{"model", "ranges", "microbatches", "schedule", "dp", "batch", "seq", "config"}``.
+* ``--cases FILE``: run each case of a JSON list and save this rank's loss and gradients
+  (``torch.save``) for the caller to compare with the single-device model. A case is
+  ``{"model", "ranges", "microbatches", "schedule", "dp", "batch", "seq", "config"}``.
+* ``--plan FILE`` (``shardplan run`` of a pipeline plan): train ``--steps`` SGD steps on a fixed
+  synthetic batch, time each after a warm-up, and with ``--check`` compare the first step's loss and
+  this rank's gradients with the single-device model; rank 0 writes the JSON result to ``--out``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardplan.capture.models import build
+from shardplan.capture.models import build, parse_config
 from shardplan.execute.pipeline import PipelineSpec, apply_pipeline
 
 
@@ -24,12 +28,93 @@ def _loss(out):
     return getattr(out, "logits", out).float().pow(2).mean()
 
 
+def _rel_diff(got: dict, reference: torch.nn.Module, loss: float, loss_ref: float) -> float:
+    """Largest relative difference of the loss and of this rank's gradients (the worker.py rule)."""
+    worst = abs(loss - loss_ref) / max(abs(loss_ref), 1e-30)
+    ref = dict(reference.named_parameters())
+    scale = max(float(p.grad.abs().max()) for p in reference.parameters() if p.grad is not None)
+    for n, g in got.items():
+        r = ref[n].grad
+        diff = (g - r).abs() - 1e-6 * scale
+        worst = max(worst, float((diff.clamp_min(0) / r.abs().clamp_min(1e-6 * scale)).max()))
+    return worst
+
+
+def run_plan(args) -> None:
+    import copy
+    import time
+
+    from shardplan.plan import PipelinePlan
+
+    rank = dist.get_rank()
+    result: dict = {"rank_errors": []}
+    ok = torch.ones(1)
+    worst = torch.zeros(1)
+    try:
+        with open(args.plan) as fh:
+            plan = PipelinePlan.from_json(fh.read(), source=args.plan)
+        torch.manual_seed(0)
+        module, kwargs = build(args.model, batch=args.batch, seq=args.seq, **parse_config(args.config))
+        module.eval()
+        reference = copy.deepcopy(module) if args.check else None
+        x = next(iter(kwargs.values()))
+        spec = PipelineSpec.from_plan(plan)
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // spec.data_parallel, spec.data_parallel),
+                                mesh_dim_names=("pp", "dp"))
+        runner = apply_pipeline(module, spec, mesh, x, _loss)
+        params = [p for _, p in runner.named_parameters()]
+        times = []
+        for step in range(args.steps + 1):  # step 0 is the warm-up
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = runner.step(x)
+            if step == 0 and args.check:
+                first = (loss, {n: p.grad.clone() for n, p in runner.named_parameters() if p.grad is not None})
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-1e-3)
+                        p.grad = None
+            dist.barrier()
+            if step:
+                times.append(time.perf_counter() - t0)
+        result["measured_step_seconds"] = sorted(times)[len(times) // 2]
+        result["step_seconds"] = times
+        if args.check:
+            loss_ref = _loss(reference(**kwargs))
+            loss_ref.backward()
+            worst[0] = _rel_diff(first[1], reference, first[0], loss_ref.item())
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON, after the collective below
+        ok.zero_()
+        result["rank_errors"].append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    result["ok"] = bool(ok.item())
+    if args.check:
+        result["check"] = {"passed": bool(ok.item()) and float(worst) <= 1e-5, "max_rel_diff": float(worst)}
+    if rank == 0 or not ok.item():
+        with open(args.out if rank == 0 else f"{args.out}.rank{rank}", "w") as fh:
+            json.dump(result, fh)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", required=True)
+    ap.add_argument("--cases", default=None)
+    ap.add_argument("--plan", default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--config", default="")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--check", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    if args.plan:
+        run_plan(args)
+        dist.destroy_process_group()
+        return
     rank, world = dist.get_rank(), dist.get_world_size()
     with open(args.cases) as fh:
         cases = json.load(fh)

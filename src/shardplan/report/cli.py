@@ -261,21 +261,35 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"shardplan run needs PyTorch: pip install 'shardplan[torch]' ({exc})") from None
     from shardplan.plan import PlanError
 
+    from shardplan.execute.launch import is_pipeline_plan, launch_pipeline, prepare_pipeline
+
     cost_model, cluster, devices = _cost_model(args)
     try:
-        plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model,
-                                         args.plan)
+        pipeline = args.pipeline or is_pipeline_plan(args.plan)
+        if pipeline:
+            if cluster is None:
+                raise UsageError("pipeline plans are priced by the analytic model: give --cost-model analytic")
+            plan, predicted = prepare_pipeline(model_name, args.hf_config, args.batch, args.seq, devices, cluster,
+                                               args.plan)
+        else:
+            plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model,
+                                      args.plan)
     except (ApplyError, PlanError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     try:
-        result = launch(model_name, args.hf_config, args.batch, args.seq, plan, args.steps, args.check)
+        go = launch_pipeline if pipeline else launch
+        result = go(model_name, args.hf_config, args.batch, args.seq, plan, args.steps, args.check)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
     out = {"model": model_name, "devices": devices, "cluster": cluster.name if cluster else None,
-           "cost_model": cost_model.name, "predicted_step_seconds": predicted,
+           "cost_model": "analytic" if pipeline else cost_model.name, "predicted_step_seconds": predicted,
            "measured_step_seconds": result.get("measured_step_seconds"), "steps": args.steps,
            "step_seconds": result.get("step_seconds"), "ok": result.get("ok"),
-           "errors": result.get("rank_errors", []), "plan": plan.to_dict()["layers"]}
+           "errors": result.get("rank_errors", []),
+           "plan": plan.to_dict()["stages" if pipeline else "layers"]}
+    if pipeline:
+        out.update(kind="pipeline", schedule=plan.schedule, num_microbatches=plan.num_microbatches,
+                   chunks=plan.chunks)
     if args.check:
         out["check"] = result.get("check", {"passed": False, "max_rel_diff": None})
     if not _write_json(args, out):
@@ -348,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seq", type=int, default=16)
     r.add_argument("--plan", default=None, help="plan JSON from `shardplan plan --json FILE` (default: search)")
     r.add_argument("--check", action="store_true", help="compare loss and gradients with a single-device run")
+    r.add_argument("--pipeline", action="store_true",
+                   help="plan and run pipeline stages (torch.distributed.pipelining; a pipeline --plan implies it)")
     r.add_argument("--cluster", default=None, help=f"cluster to predict on (default {DEFAULT_CLUSTER})")
     r.add_argument("--nodes", type=int, default=None)
     r.add_argument("--cost-model", default="analytic")

@@ -269,12 +269,12 @@ def _interleaved_layout(arrays, p: int, v: int, m: int, L: int):
     return ranges, value, dev_t, dev_s, dev_mem
 
 
-def _interleaved(arrays, m: int, L: int, max_stages: int, limit: float, best_value: float):
+def _interleaved(arrays, m: int, L: int, max_stages: int, limit: float, best_value: float, min_stages: int = 2):
     """Best interleaved-1F1B layout for one (t, d, microbatch), better than ``best_value``:
     (value, p, v, option, chunk ranges, per-rank time, sync, memory), or None.
     Enumerates p (ranks) and v >= 2 (chunks per rank) with p * v | L and p | m."""
     found = None
-    for p in range(2, max_stages + 1):
+    for p in range(max(2, min_stages), max_stages + 1):
         if m % p:
             continue
         for v in range(2, L // p + 1):
@@ -291,11 +291,12 @@ def _interleaved(arrays, m: int, L: int, max_stages: int, limit: float, best_val
 def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
                   memory_limit_bytes: float | None = None,
                   schedules=("1f1b", "gpipe", "interleaved"), max_tensor_parallel: int | None = None,
-                  zero_levels=(0, 1, 2, 3), recompute=RECOMPUTE) -> PipelineResult:
+                  zero_levels=(0, 1, 2, 3), recompute=RECOMPUTE, exact_devices: bool = False) -> PipelineResult:
     """Fastest pipeline plan for ``graph`` (its batch is the global batch) on ``devices`` of ``cluster``.
 
     ``schedules``, ``max_tensor_parallel``, ``zero_levels`` and ``recompute`` narrow the search space
-    (e.g. :func:`dapple` searches 1F1B, no tensor parallelism, no ZeRO, no recomputation)."""
+    (e.g. :func:`dapple` searches 1F1B, no tensor parallelism, no ZeRO, no recomputation).
+    ``exact_devices`` keeps only plans that use all ``devices`` (``shardplan run`` launches that many)."""
     unknown = set(schedules) - {"1f1b", "gpipe", "interleaved"}
     if unknown or not schedules:
         raise ValueError(f"unknown schedule(s) {sorted(unknown)}; known: 1f1b, gpipe, interleaved")
@@ -311,6 +312,8 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
     configs = []
     while t <= min(cluster.devices_per_node, N, max_tensor_parallel or N):
         for d in [x for x in divisors(B) if t * x <= N and (x & (x - 1)) == 0]:
+            if exact_devices and (N % (t * d) or N // (t * d) > L):
+                continue
             for b in divisors(B // d):
                 configs.append((t, d, b))
         t *= 2
@@ -337,11 +340,12 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
         m = B // d // b
         opts_list = option_list(d, zero_levels, recompute)
         max_stages = min(L, N // (t * d))
+        min_stages = max_stages if exact_devices else 1
         arrays = _config_arrays(pricer, t, d, b, m, opts_list, limit)
         time, sync, maxin, static, act = arrays
         if "interleaved" in schedules and (best is None or lb_int < best[0]):
             found = _interleaved(arrays, m, L, max_stages, limit,
-                                 math.inf if best is None else best[0])
+                                 math.inf if best is None else best[0], min_stages)
             if found is not None:
                 best = (found[0], found, t, d, b, m, "interleaved", arrays, opts_list)
         if best is not None and lb_seq >= best[0]:
@@ -350,7 +354,8 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
             if sched == "interleaved":
                 continue
             inflight = np.array([min(j + 1, m) if sched == "1f1b" else m for j in range(max_stages)], float)
-            sol = stage_dp(time, sync, maxin, inflight, alpha=float(m - 1), beta=1.0, max_stages=max_stages)
+            sol = stage_dp(time, sync, maxin, inflight, alpha=float(m - 1), beta=1.0, max_stages=max_stages,
+                           min_stages=min_stages)
             if sol is None:
                 lean = min(lean, min_peak_memory(static, act, inflight, max_stages))
                 continue
@@ -438,3 +443,54 @@ def dapple(graph: Graph, cluster: Cluster, devices: int | None = None,
     allows a degree per stage, so this baseline can be slightly pessimistic)."""
     return plan_pipeline(graph, cluster, devices, memory_limit_bytes, schedules=("1f1b",), max_tensor_parallel=1,
                          zero_levels=(0,), recompute=("none",))
+
+
+def price_pipeline(graph: Graph, cluster: Cluster, plan, memory_limit_bytes: float | None = None) -> PipelineResult:
+    """A :class:`~shardplan.plan.PipelinePlan` (any stage ranges and per-stage options) priced on
+    ``cluster`` by the model the search uses: ``(m - 1) max T + sum T + max S`` for GPipe / 1F1B, the
+    interleaved formula of the module doc for ``plan.chunks > 1``. Used by ``shardplan run`` to predict a
+    plan file's step time on the machine at hand. Raises ValueError naming a plan that does not match."""
+    from shardplan.cost.memory import inflight_microbatches
+
+    start = _time.perf_counter()
+    pricer = _Pricer(graph, cluster)
+    L = len(pricer.layers)
+    covered = [i for s in plan.stages for i in range(s.layers[0], s.layers[1] + 1)]
+    if covered != list(range(L)):
+        raise ValueError(f"pipeline plan stages {[s.layers for s in plan.stages]} do not cover the {L} layers of "
+                         f"{graph.name!r} exactly once, in order")
+    shapes = {(s.data_parallel, s.tensor_parallel) for s in plan.stages}
+    if len(shapes) != 1:
+        raise ValueError(f"pipeline plan has stages on different sub-mesh shapes {sorted(shapes)}; one is supported")
+    (d, t), = shapes
+    B = next(x.size for op in graph.ops for x in op.dims if x.kind is DimKind.BATCH)
+    m = plan.num_microbatches
+    if B % (d * m):
+        raise ValueError(f"batch {B} does not split into {d} replicas x {m} microbatches")
+    limit = cluster.device.memory_bytes if memory_limit_bytes is None else memory_limit_bytes
+    opts_list = sorted({MemoryOptions(zero=s.zero, recompute=s.recompute) for s in plan.stages},
+                       key=lambda o: (o.zero, o.recompute))
+    time, sync, _, static, act = _config_arrays(pricer, t, d, B // (d * m), m, opts_list, limit)
+    o = [opts_list.index(MemoryOptions(zero=s.zero, recompute=s.recompute)) for s in plan.stages]
+    ct = [float(time[oi, s.layers[0], s.layers[1]]) for oi, s in zip(o, plan.stages)]
+    cs = [float(sync[oi, s.layers[0], s.layers[1]]) for oi, s in zip(o, plan.stages)]
+    v = max(plan.chunks, 1)
+    p = len(plan.stages) // v
+    rank_t = [sum(ct[j] for j in range(len(ct)) if j % p == i) for i in range(p)]
+    rank_s = [sum(cs[j] for j in range(len(cs)) if j % p == i) for i in range(p)]
+    if v == 1:
+        value = (m - 1) * max(ct) + sum(ct) + max(cs)
+    else:
+        value = m * max(rank_t) + (p - 1) * max(ct) + max(rank_s)
+    sched = "interleaved" if v > 1 else plan.schedule
+    mem = []
+    for j, (oi, s) in enumerate(zip(o, plan.stages)):
+        i = j % p
+        infl = inflight_microbatches(sched, p, i, m, v)
+        mem.append(float(static[oi, s.layers[0], s.layers[1]] + infl * act[oi, s.layers[0], s.layers[1]]))
+    rank_mem = [sum(mem[j] for j in range(len(mem)) if j % p == i) for i in range(p)] if v > 1 else mem
+    stages = tuple(StageRecord(s.layers, d, t, s.recompute, s.zero, ct[j], rank_mem[j % p])
+                   for j, s in enumerate(plan.stages))
+    bubble = max(0.0, 1.0 - (m * sum(ct) / p) / (value - max(rank_s)))
+    return PipelineResult(graph.name, p * t * d, B, m, sched, stages, value, bubble, max(rank_mem),
+                          _time.perf_counter() - start, chunks=v)
