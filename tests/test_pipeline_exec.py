@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 
 from shardplan.capture.models import build  # noqa: E402
 from shardplan.execute.launch import last_lines, torchrun  # noqa: E402
-from shardplan.execute.pipeline import PipelineError, PipelineSpec, check_pipeline, find_layout  # noqa: E402
+from shardplan.execute.pipeline import (PipelineError, PipelineSpec, check_pipeline,  # noqa: E402
+                                        check_tensor_parallel, find_layout)
 
 L4 = {"num_hidden_layers": 4}
 CASES = {
@@ -25,7 +26,8 @@ CASES = {
              config=L4),
         dict(model="gpt2", ranges=[[0, 0], [1, 1], [2, 2], [3, 3]], microbatches=4, schedule="1f1b", batch=4,
              config={"n_layer": 4}),
-        dict(model="llama", ranges=[[0, 0], [1, 1]], microbatches=2, schedule="1f1b", batch=8, dp=2)],
+        dict(model="llama", ranges=[[0, 0], [1, 1]], microbatches=2, schedule="1f1b", batch=8, dp=2),
+        dict(model="llama", ranges=[[0, 0], [1, 1]], microbatches=2, schedule="1f1b", batch=4, tp=2)],
 }
 
 
@@ -57,6 +59,7 @@ def test_pipeline_matches_single_device(tmp_path, ranks):
             for n, g in res["grads"].items():
                 assert torch.allclose(g, ref_grads[n], rtol=1e-5, atol=1e-6 * scale), (case, n)
                 seen[n] = seen.get(n, 0) + 1
+        # every rank of a stage returns its gradients (tensor-parallel ones gathered whole)
         per_param = ranks // (len(case["ranges"]) // (2 if case["schedule"] == "interleaved_1f1b" else 1))
         assert set(seen) == set(ref_grads), case  # every gradient comes back from some rank
         assert set(seen.values()) == {per_param}, case  # once per data-parallel replica
@@ -77,8 +80,21 @@ def test_refusals_name_the_reason():
         check_pipeline(spec([[0, 1], [1, 3]]), 4, 2, 4)
     with pytest.raises(PipelineError, match="batch 6 does not split into 1 data-parallel replicas of 4"):
         check_pipeline(spec([[0, 0], [1, 1]], mb=4), 2, 2, 6)
-    with pytest.raises(PipelineError, match="tensor parallelism inside a pipeline stage"):
-        check_pipeline(PipelineSpec.from_stages([[0, 0], [1, 1]], 2, "gpipe", tensor_parallel=2), 2, 4, 4)
+    tp2 = PipelineSpec.from_stages([[0, 0], [1, 1]], 2, "gpipe", tensor_parallel=2)
+    with pytest.raises(PipelineError, match="tensor-parallel 2 need 4 ranks; got 2"):
+        check_pipeline(tp2, 2, 2, 4)
+    check_pipeline(tp2, 2, 4, 4)
+    gpt2 = build("gpt2")[0]
+    with pytest.raises(PipelineError, match="not supported for gpt2 blocks"):
+        check_tensor_parallel(gpt2, find_layout(gpt2), tp2)
+    llama = build("llama")[0]  # 4 heads, 2 kv heads
+    with pytest.raises(PipelineError, match="tensor_parallel=4 does not divide num_key_value_heads=2"):
+        check_tensor_parallel(llama, find_layout(llama),
+                              PipelineSpec.from_stages([[0, 0], [1, 1]], 2, "gpipe", tensor_parallel=4))
+    mlp = build("torch_mlp")[0]
+    with pytest.raises(PipelineError, match="whole column/row pairs"):
+        check_tensor_parallel(mlp, find_layout(mlp),
+                              PipelineSpec.from_stages([[0, 1], [2, 2]], 2, "gpipe", tensor_parallel=2))
     with pytest.raises(PipelineError, match="1F1B needs at least as many microbatches"):
         check_pipeline(spec([[0, 0], [1, 1]], mb=1, schedule="1f1b"), 2, 2, 4)
     check_pipeline(spec([[0, 0], [1, 1], [2, 2], [3, 3]], schedule="interleaved_1f1b"), 4, 2, 4)

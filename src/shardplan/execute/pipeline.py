@@ -7,7 +7,12 @@ count that does not divide the batch, an unknown schedule). ``apply_pipeline`` b
 stage modules (sharing the original parameters, so their FQNs are the model's) and a runner whose
 ``step`` does one forward/backward over the whole batch and returns the mean loss on every rank.
 
-Tensor parallelism inside a stage is not wired yet and is refused by name.
+Tensor parallelism inside a stage (a (pp, dp, tp) mesh) splits each block Megatron-style with DTensor
+(``torch.distributed.tensor.parallel``): the attention's q/k/v and the MLP's gate/up (or fc1)
+column-wise, the attention output and down (or fc2) projections row-wise, so a block's input and
+output are whole on every tensor rank and stage boundaries carry plain tensors. This is the layout the
+pipeline search prices a stage's t devices with. Llama and the MLP support it; GPT-2's fused Conv1D
+projections do not (refused by name).
 """
 
 from __future__ import annotations
@@ -67,6 +72,14 @@ class PipelineSpec:
     def data_parallel(self) -> int:
         return self.stages[0].data_parallel if self.stages else 1
 
+    @property
+    def tensor_parallel(self) -> int:
+        return self.stages[0].tensor_parallel if self.stages else 1
+
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """(pp, dp, tp): the DeviceMesh ``apply_pipeline`` expects, dims named "pp", "dp", "tp"."""
+        return self.pipeline_ranks(), self.data_parallel, self.tensor_parallel
+
     def stages_per_rank(self) -> int:
         return self.chunks if self.schedule == "interleaved_1f1b" else 1
 
@@ -102,9 +115,9 @@ def check_pipeline(spec: PipelineSpec, num_blocks: int, world_size: int, batch: 
     if not spec.stages:
         raise PipelineError("a pipeline needs at least one stage")
     for i, st in enumerate(spec.stages):
-        if st.tensor_parallel != 1:
-            raise PipelineError(f"stage {i}: tensor parallelism inside a pipeline stage is not supported yet "
-                                f"(asked for {st.tensor_parallel}); use tensor_parallel=1")
+        if st.tensor_parallel != spec.tensor_parallel:
+            raise PipelineError(f"stage {i} has tensor-parallel degree {st.tensor_parallel}, stage 0 has "
+                                f"{spec.tensor_parallel}; all stages must share one (pp, dp, tp) mesh")
         if st.data_parallel != spec.data_parallel:
             raise PipelineError(f"stage {i} has data-parallel degree {st.data_parallel}, stage 0 has "
                                 f"{spec.data_parallel}; all stages must share one (pp, dp) mesh")
@@ -130,10 +143,10 @@ def check_pipeline(spec: PipelineSpec, num_blocks: int, world_size: int, batch: 
     if len(spec.stages) % v:
         raise PipelineError(f"schedule {spec.schedule!r} puts {v} stages on each rank; {len(spec.stages)} "
                             f"stages do not divide")
-    ranks = spec.pipeline_ranks() * spec.data_parallel
+    ranks = spec.pipeline_ranks() * spec.data_parallel * spec.tensor_parallel
     if ranks != world_size:
-        raise PipelineError(f"{len(spec.stages)} stages ({v} per rank) x data-parallel {spec.data_parallel} "
-                            f"need {ranks} ranks; got {world_size}")
+        raise PipelineError(f"{len(spec.stages)} stages ({v} per rank) x data-parallel {spec.data_parallel} x "
+                            f"tensor-parallel {spec.tensor_parallel} need {ranks} ranks; got {world_size}")
     per_replica, rem = divmod(batch, spec.data_parallel)
     if rem or per_replica % spec.num_microbatches:
         raise PipelineError(f"batch {batch} does not split into {spec.data_parallel} data-parallel replicas of "
@@ -141,6 +154,44 @@ def check_pipeline(spec: PipelineSpec, num_blocks: int, world_size: int, batch: 
     if spec.schedule == "1f1b" and spec.num_microbatches < len(spec.stages):
         raise PipelineError(f"1F1B needs at least as many microbatches ({spec.num_microbatches}) as stages "
                             f"({len(spec.stages)})")
+
+
+def _block_tp_plan(family: str, block: nn.Module, index: int) -> dict:
+    """Megatron's split of one block: column-parallel in-projections, row-parallel out-projections."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if family == "llama":
+        col = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+        return {**{n: ColwiseParallel() for n in col}, "self_attn.o_proj": RowwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+    if family == "mlp":  # blocks alternate: even ones column-parallel, odd ones row-parallel (a pair)
+        return {"": ColwiseParallel() if index % 2 == 0 else RowwiseParallel()}
+    raise PipelineError(f"tensor parallelism inside a pipeline stage is not supported for {family} blocks "
+                        f"(GPT-2's fused Conv1D projections); use tensor_parallel=1")
+
+
+def check_tensor_parallel(module: nn.Module, layout: "BlockLayout", spec: PipelineSpec) -> None:
+    """Refuse, naming the culprit, a tensor-parallel degree the blocks cannot be split by."""
+    t = spec.tensor_parallel
+    if t == 1:
+        return
+    if layout.family == "gpt2":
+        _block_tp_plan("gpt2", None, 0)
+    if layout.family == "llama":
+        cfg = module.config
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(cfg, name) % t:
+                raise PipelineError(f"tensor_parallel={t} does not divide {name}={getattr(cfg, name)} of the "
+                                    f"Llama blocks")
+    if layout.family == "mlp":
+        for st in spec.stages:
+            if (st.last - st.first + 1) % 2 or st.first % 2:
+                raise PipelineError(f"stage blocks {st.first}..{st.last}: a tensor-parallel MLP stage needs whole "
+                                    f"column/row pairs of blocks (even first block, even count)")
+        for i in range(layout.count):
+            lin = module.get_submodule(f"{layout.blocks}.{i}")
+            if (lin.out_features if i % 2 == 0 else lin.in_features) % t:
+                raise PipelineError(f"tensor_parallel={t} does not divide the hidden width of block {i}")
 
 
 class StageModule(nn.Module):
@@ -180,6 +231,19 @@ class StageModule(nn.Module):
                 parent.add_module(p, nn.Module())
             parent = getattr(parent, p)
         parent.add_module(leaf, sub)
+
+    def parallelize(self, tp_mesh) -> None:
+        """Split this stage's blocks over the tensor-parallel mesh (see the module doc)."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        blocks = getattr(self, "layers") if self.family == "mlp" else (
+            self.model.layers if self.family == "llama" else self.transformer.h)
+        for key, block in blocks.items():
+            plan = _block_tp_plan(self.family, block, int(key))
+            if "" in plan:
+                parallelize_module(block, tp_mesh, plan[""])
+            else:
+                parallelize_module(block, tp_mesh, plan)
 
     def forward(self, x):
         if self.family == "mlp":
@@ -243,13 +307,16 @@ class PipelineRunner:
         loss = loss.reshape(1).clone()
         dist.broadcast(loss, src=last_rank, group=pp_group)
         if dp > 1:
+            from torch.distributed.tensor import DTensor
+
             g = self.mesh["dp"].get_group()
             dist.all_reduce(loss, group=g)
             loss /= dp
             for _, p in self.named_parameters():
                 if p.grad is not None:
-                    dist.all_reduce(p.grad, group=g)
-                    p.grad /= dp
+                    local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(local, group=g)
+                    local /= dp
         return float(loss.item())
 
 
@@ -262,12 +329,19 @@ def apply_pipeline(module: nn.Module, spec: PipelineSpec, mesh, example_input: t
 
     layout = find_layout(module)
     check_pipeline(spec, layout.count, mesh.size(), example_input.shape[0])
+    check_tensor_parallel(module, layout, spec)
+    names = mesh.mesh_dim_names or ()
+    if spec.tensor_parallel > 1 and "tp" not in names:
+        raise PipelineError(f"tensor_parallel={spec.tensor_parallel} needs a mesh with a \"tp\" dim; got {names}")
     pp = spec.pipeline_ranks()
     pp_rank = mesh["pp"].get_local_rank()
     group = mesh["pp"].get_group()
     mine = [i for i in range(len(spec.stages)) if i % pp == pp_rank]
-    stages = [PipelineStage(StageModule(module, layout, spec.stages[i]), i, len(spec.stages), torch.device("cpu"),
-                            group=group) for i in mine]
+    modules = [StageModule(module, layout, spec.stages[i]) for i in mine]
+    if spec.tensor_parallel > 1:
+        for m in modules:
+            m.parallelize(mesh["tp"])
+    stages = [PipelineStage(m, i, len(spec.stages), torch.device("cpu"), group=group) for m, i in zip(modules, mine)]
     fn = lambda out, _target: loss_fn(out)  # noqa: E731 - the schedule passes a target we do not use
     if spec.schedule == "interleaved_1f1b":
         sched = ScheduleInterleaved1F1B(stages, spec.num_microbatches, loss_fn=fn)

@@ -19,6 +19,7 @@ import traceback
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from shardplan.capture.models import build, parse_config
 from shardplan.execute.pipeline import PipelineSpec, apply_pipeline
@@ -59,8 +60,7 @@ def run_plan(args) -> None:
         reference = copy.deepcopy(module) if args.check else None
         x = next(iter(kwargs.values()))
         spec = PipelineSpec.from_plan(plan)
-        mesh = init_device_mesh("cpu", (dist.get_world_size() // spec.data_parallel, spec.data_parallel),
-                                mesh_dim_names=("pp", "dp"))
+        mesh = init_device_mesh("cpu", spec.mesh_shape(), mesh_dim_names=("pp", "dp", "tp"))
         runner = apply_pipeline(module, spec, mesh, x, _loss)
         params = [p for _, p in runner.named_parameters()]
         times = []
@@ -69,7 +69,8 @@ def run_plan(args) -> None:
             t0 = time.perf_counter()
             loss = runner.step(x)
             if step == 0 and args.check:
-                first = (loss, {n: p.grad.clone() for n, p in runner.named_parameters() if p.grad is not None})
+                first = (loss, {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                                for n, p in runner.named_parameters() if p.grad is not None})
             with torch.no_grad():
                 for p in params:
                     if p.grad is not None:
@@ -127,12 +128,12 @@ def main(argv=None) -> None:
             module.eval()
             x = next(iter(kwargs.values()))
             spec = PipelineSpec.from_stages(case["ranges"], case["microbatches"], case["schedule"],
-                                            data_parallel=case.get("dp", 1))
-            mesh = init_device_mesh("cpu", (world // spec.data_parallel, spec.data_parallel),
-                                    mesh_dim_names=("pp", "dp"))
+                                            data_parallel=case.get("dp", 1), tensor_parallel=case.get("tp", 1))
+            mesh = init_device_mesh("cpu", spec.mesh_shape(), mesh_dim_names=("pp", "dp", "tp"))
             runner = apply_pipeline(module, spec, mesh, x, _loss)
             result["loss"] = runner.step(x)
-            result["grads"] = {n: p.grad.clone() for n, p in runner.named_parameters() if p.grad is not None}
+            result["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                              for n, p in runner.named_parameters() if p.grad is not None}
         except Exception as exc:  # noqa: BLE001 - reported, after the collective below
             ok.zero_()
             result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}"
