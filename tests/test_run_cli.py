@@ -93,4 +93,4 @@ def test_pipeline_plan_refusals_before_launch(tmp_path, capsys):
     assert "pipeline plan for 'gpt2', not 'llama'" in capsys.readouterr().err
     tp = _pipeline_plan(tmp_path, "gpt2", {}, p=2, chunks=1, schedule="1f1b", t=2)
     assert main(["run", "--model", "gpt2", "--devices", "4", "--plan", str(tp)]) == 2
-    assert "tensor parallelism inside a pipeline stage" in capsys.readouterr().err
+    assert "not supported for gpt2 blocks" in capsys.readouterr().err

@@ -96,7 +96,8 @@ def prepare_pipeline(model: str, config: str, batch: int, seq: int, devices: int
     """(pipeline plan, predicted seconds) after every check that can fail before a process starts: the
     plan file (or, without one, the pipeline search restricted to what runs here: no tensor parallelism
     inside a stage) against the model's blocks, the device count and the batch."""
-    from shardplan.execute.pipeline import PipelineError, PipelineSpec, check_pipeline, find_layout
+    from shardplan.execute.pipeline import (PipelineError, PipelineSpec, check_pipeline, check_tensor_parallel,
+                                            find_layout)
     from shardplan.plan import PipelinePlan, PlanError
     from shardplan.search.pipeline import plan_pipeline, price_pipeline
 
@@ -117,13 +118,16 @@ def prepare_pipeline(model: str, config: str, batch: int, seq: int, devices: int
         if plan.model != graph.name:
             raise PlanError(f"plan file {plan_file!r} is a pipeline plan for {plan.model!r}, not {graph.name!r}")
     else:
-        r = plan_pipeline(graph, cluster, devices, schedules=("1f1b", "gpipe"), max_tensor_parallel=1,
-                          exact_devices=True)
+        # tensor parallelism inside stages runs for Llama blocks (see execute.pipeline); not elsewhere
+        r = plan_pipeline(graph, cluster, devices, schedules=("1f1b", "gpipe"),
+                          max_tensor_parallel=None if layout.family == "llama" else 1, exact_devices=True)
         plan = PipelinePlan.from_result(r, cluster=cluster.name)
     if plan.devices != devices:
         raise PlanError(f"the pipeline plan is for {plan.devices} devices, not {devices}")
     try:
-        check_pipeline(PipelineSpec.from_plan(plan), layout.count, devices, batch)
+        spec = PipelineSpec.from_plan(plan)
+        check_pipeline(spec, layout.count, devices, batch)
+        check_tensor_parallel(module, layout, spec)
     except PipelineError as exc:
         raise ApplyError(str(exc)) from None
     try:
