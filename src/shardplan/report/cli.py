@@ -1,4 +1,5 @@
-"""The ``shardplan`` command line: ``plan``, ``models`` and ``clusters``."""
+"""The ``shardplan`` command line: ``plan``, ``run``, ``calibrate``, ``compare``, ``simulate``, ``models``
+and ``clusters``."""
 
 from __future__ import annotations
 
@@ -328,6 +329,76 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    """``shardplan compare``: every search method on one model, by cost model and simulator."""
+    from shardplan.report.compare import compare, print_comparison
+
+    _positive("--devices", args.devices)
+    try:
+        cluster = get_cluster(args.cluster or DEFAULT_CLUSTER, nodes=args.nodes, devices=args.devices)
+        graph = build_model(args.model, args.batch)
+    except (ClusterError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    devices = args.devices or cluster.num_devices
+    limit = args.memory_limit * GIB if args.memory_limit is not None else None
+    try:
+        cmp = compare(graph, cluster, devices, memory_limit_bytes=limit, mcmc_seconds=args.mcmc_seconds,
+                      mcmc_iters=args.mcmc_iters, ilp_seconds=args.ilp_seconds, seed=args.seed)
+    except PlanDoesNotFit as exc:
+        raise UsageError(str(exc)) from None
+    if not _write_json(args, cmp.to_dict()):
+        print_comparison(cmp)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """``shardplan simulate``: replay a plan file event by event; trace JSON and timeline PNG."""
+    from shardplan.plan import PipelinePlan, PlanError, _parse_json
+    from shardplan.simulate import simulate
+
+    try:
+        with open(args.plan) as fh:
+            raw = _parse_json(fh.read(), f"plan file {args.plan!r}")
+    except OSError as exc:
+        raise UsageError(f"plan file {args.plan!r}: {exc.strerror}") from None
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        if isinstance(raw, dict) and raw.get("kind") == "pipeline":
+            plan = PipelinePlan.from_dict(raw, f"plan file {args.plan!r}")
+            graph = None
+        else:
+            plan = Plan.from_dict(raw, f"plan file {args.plan!r}")
+            name = args.model or plan.model
+            if name not in MODELS:
+                raise UsageError(f"plan is for model {plan.model!r}, which is not built in; give --model NAME "
+                                 f"(built-in: {', '.join(sorted(MODELS))})")
+            graph = build_model(name, args.batch)
+        cluster = get_cluster(args.cluster or plan.cluster or DEFAULT_CLUSTER, devices=plan.devices)
+        result = simulate(graph, cluster, plan)
+    except (PlanError, ClusterError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    if args.trace:
+        with open(args.trace, "w") as fh:
+            json.dump(result.to_chrome_trace(), fh)
+    if args.png:
+        result.save_timeline_png(args.png)
+    d0 = min(result.compute_seconds)
+    out = {"iteration_seconds": result.iteration_seconds, "peak_memory_bytes": result.peak_memory_bytes,
+           "compute_seconds": result.compute_seconds[d0], "comm_seconds": result.comm_seconds[d0],
+           "idle_seconds": result.idle_seconds[d0], "bubble_fraction": result.bubble_fraction,
+           "plan_cost": plan.cost, "trace": args.trace, "png": args.png}
+    if not _write_json(args, out):
+        print(f"simulated iteration: {result.iteration_seconds:.6g} s (the plan's cost-model estimate: "
+              f"{plan.cost:.6g} s); device {d0}: compute {out['compute_seconds']:.4g} s, communication "
+              f"{out['comm_seconds']:.4g} s, idle {out['idle_seconds']:.4g} s; peak memory "
+              f"{result.peak_memory_bytes / GIB:.3f} GiB per device")
+        for what, path in (("trace (open in ui.perfetto.dev)", args.trace), ("timeline", args.png)):
+            if path:
+                print(f"{what}: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardplan", description="Plan parallel training of a network.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -372,6 +443,26 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--devices", type=int, default=2, help="ranks to measure with (default 2)")
     c.add_argument("--out", default="calibrated.yaml", help="cluster file to write")
     c.add_argument("--reps", type=int, default=5)
+    k = sub.add_parser("compare", help="every search method on one model: cost model and simulator side by side")
+    k.add_argument("--model", required=True, help="a built-in model (see `shardplan models`)")
+    k.add_argument("--devices", type=int, default=None)
+    k.add_argument("--batch", type=int, default=None)
+    k.add_argument("--cluster", default=None, help=f"preset or cluster file (default {DEFAULT_CLUSTER})")
+    k.add_argument("--nodes", type=int, default=None)
+    k.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's)")
+    k.add_argument("--mcmc-seconds", type=float, default=5.0, help="MCMC time budget (default 5)")
+    k.add_argument("--mcmc-iters", type=int, default=None, help="MCMC proposal budget (deterministic with --seed)")
+    k.add_argument("--ilp-seconds", type=float, default=60.0, help="ILP time limit (default 60)")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--json", default=None, help="write the comparison as JSON to FILE, or - for stdout")
+    m = sub.add_parser("simulate", help="replay a plan file event by event: trace JSON and timeline PNG")
+    m.add_argument("--plan", required=True, help="plan JSON from `shardplan plan --json FILE`")
+    m.add_argument("--model", default=None, help="built-in model to simulate (default: the plan's)")
+    m.add_argument("--batch", type=int, default=None)
+    m.add_argument("--cluster", default=None, help="preset or cluster file (default: the plan's)")
+    m.add_argument("--trace", default=None, help="write a Chrome trace (Perfetto) JSON here")
+    m.add_argument("--png", default=None, help="write a timeline picture here")
+    m.add_argument("--json", default=None, help="write the summary as JSON to FILE, or - for stdout")
     sub.add_parser("models", help="list built-in models")
     sub.add_parser("clusters", help="list built-in clusters")
     args = parser.parse_args(argv)
@@ -391,6 +482,10 @@ def main(argv: list[str] | None = None) -> int:
             return _calibrate(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "compare":
+            return _compare(args)
+        if args.command == "simulate":
+            return _simulate(args)
         return _plan(args)
     except UsageError as exc:
         print(f"shardplan: error: {exc}", file=sys.stderr)
