@@ -22,6 +22,10 @@ op under a configuration ``c`` (split factor per iteration dim) on ``P = prod(c)
 * memory per device (bytes): parameter tiles x (weight + gradient + optimizer states) plus the
   activation tiles an op keeps for the backward pass (its output and any graph input it reads).
 
+``node_cost_items`` returns these terms itemised (:class:`CostItem`: stream, forward share, on the
+critical path or not) and ``node_costs`` adds them, so the event simulator (``shardplan.simulate``)
+and the cost tables use one set of formulas.
+
 Device ranks are laid out with the op's non-batch dims innermost, so tensor-parallel groups stay
 inside a node and data-parallel groups cross nodes (Megatron-LM's placement, Narayanan et al. 2021).
 """
@@ -44,6 +48,40 @@ KNOWN = CONTRACTIONS | FREE | {"embedding", "pool", "norm", "softmax", "softmax_
                                "elementwise"}
 OPTIMIZER_STATES = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
 """Optimizer state tensors per parameter, each of the parameter's size (Adam: first and second moment)."""
+
+
+@dataclass(frozen=True)
+class CostItem:
+    """One term of an op's time per configuration (seconds, arrays over the K configurations).
+
+    ``stream``: "compute" or "comm". ``critical``: False for work that may overlap the rest of the
+    backward pass (the weight-gradient all-reduce, as DDP/FSDP buckets run it); everything else
+    delays the next op. ``seconds`` is the term for both passes; ``fwd`` the part of it in the
+    forward pass, the rest (``bwd``) runs in the backward pass.
+    """
+
+    name: str
+    stream: str
+    critical: bool
+    seconds: np.ndarray
+    fwd: np.ndarray
+    tensor: str | None = None
+
+    @property
+    def bwd(self) -> np.ndarray:
+        return self.seconds - self.fwd
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    """Bytes per device one op keeps for one operand. ``kind``: "parameter" (weight + gradient +
+    optimizer states, resident all the time; ``tile_bytes`` is the weight tile alone) or
+    "activation" (an output or graph input kept from the forward to the backward pass)."""
+
+    kind: str
+    tensor: str
+    nbytes: np.ndarray
+    tile_bytes: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -94,43 +132,65 @@ class AnalyticCostModel:
         return np.prod(np.array(spec.shape, dtype=np.float64) / layout, axis=1) * spec.dtype_bytes
 
     # -- node costs ----------------------------------------------------------------------------------
-    def node_costs(self, graph: Graph, op: Op, configs: np.ndarray) -> NodeCosts:
+    def memory_items(self, graph: Graph, op: Op, configs: np.ndarray) -> list[MemoryItem]:
+        """Bytes per device of every tile ``op`` keeps, one item per operand, in the order
+        ``node_costs`` sums them (its ``memory`` is their sum)."""
+        operands = list(op.inputs) + list(op.outputs)
+        items = []
+        for j, o in enumerate(operands):
+            t = self.tile_bytes(graph, op, configs, o)
+            if j < len(op.inputs):
+                spec = graph.tensor(o.tensor)
+                if spec.is_param:  # weight, gradient, optimizer states: resident all the time
+                    items.append(MemoryItem("parameter", o.tensor, t * (2 + OPTIMIZER_STATES[self.optimizer]),
+                                            t))
+                elif graph.producer(o.tensor) is None:  # a graph input kept for the backward pass
+                    items.append(MemoryItem("activation", o.tensor, t, t))
+            else:  # an output: an activation kept for the backward pass
+                items.append(MemoryItem("activation", o.tensor, t, t))
+        return items
+
+    def node_cost_items(self, graph: Graph, op: Op, configs: np.ndarray) -> list[CostItem]:
+        """The terms of ``op``'s time, itemised: every formula of the module doc as one
+        :class:`CostItem` with its stream, pass split and whether it is on the critical path.
+
+        ``node_costs`` adds these items (compute items into ``compute``, comm items into ``comm``, in
+        this order), so the cost tables and the event simulator (``shardplan.simulate``) share one
+        source of truth. Free ops (views, concatenations) have no items.
+        """
         if op.kind not in KNOWN:
             raise GraphError(f"op {op.name!r}: the analytic cost model has no formula for kind {op.kind!r}")
-        K = len(configs)
+        if op.kind in FREE:
+            return []
         c = configs.astype(np.float64)
         procs = np.prod(c, axis=1)
         strides = self.strides(op, configs)
         dev = self.cluster.device
         operands = list(op.inputs) + list(op.outputs)
         tiles = [self.tile_bytes(graph, op, configs, o) for o in operands]
-        memory = np.zeros(K)
-        for o, t in zip(op.inputs, tiles):
-            spec = graph.tensor(o.tensor)
-            if spec.is_param:
-                memory += t * (2 + OPTIMIZER_STATES[self.optimizer])  # weight, gradient, states
-            elif graph.producer(o.tensor) is None:
-                memory += t  # a graph input kept for the backward pass
-        for t in tiles[len(op.inputs):]:
-            memory += t  # activations kept for the backward pass
-
-        if op.kind in FREE:
-            return NodeCosts(total=np.zeros(K), compute=np.zeros(K), comm=np.zeros(K), memory=memory)
 
         factor = 3.0 if op.kind in CONTRACTIONS else 2.0
         flops = 0.0 if op.kind == "embedding" else op.flops  # a lookup is a gather, not a GEMM
         compute = np.maximum(factor * flops / procs / (dev.peak_flops * dev.efficiency),
                              factor * sum(tiles) / dev.memory_bandwidth) + factor * dev.op_overhead
-        compute = compute + self._folded(op, procs)
+        # forward is one of the `factor` passes (contractions: 1 GEMM of 3; others: 1 of 2)
+        items = [CostItem("compute", "compute", True, compute, compute / factor)]
+        n_folded = op.attr("folded_ops", 0)
+        if n_folded:
+            folded = self._folded(op, procs)
+            # forward: one of the three output passes (2 b / P / bw of 6 b) and one of two dispatches
+            fwd = 2.0 * op.attr("folded_bytes", 0) / procs / dev.memory_bandwidth + n_folded * dev.op_overhead
+            items.append(CostItem("folded", "compute", True, folded, np.minimum(fwd, folded)))
 
-        comm = np.zeros(K)
         split = c > 1
         index = {n: i for i, n in enumerate(op.dim_names)}
         skip_rule = op.kind == "lstm"
         for j, (o, t) in enumerate(zip(operands, tiles)):
             is_output = j >= len(op.inputs)
+            is_param = False
             if not is_output:
                 spec = graph.tensor(o.tensor)
+                is_param = spec.is_param
                 needs_grad = spec.is_param or graph.producer(o.tensor) is not None
                 if not needs_grad or (skip_rule and not spec.is_param):
                     continue
@@ -142,10 +202,19 @@ class AnalyticCostModel:
                 continue
             q = self.group_levels(configs, strides, missing)
             active = np.any(split[:, missing], axis=1)
-            comm += np.where(active, collective_seconds(self.cluster, "all_reduce", t, q), 0.0)
+            seconds = np.where(active, collective_seconds(self.cluster, "all_reduce", t, q), 0.0)
+            if is_output:  # forward partial sums
+                items.append(CostItem("output_allreduce", "comm", True, seconds, seconds, o.tensor))
+            elif is_param:  # the weight gradient: overlaps the rest of the backward pass (DDP buckets)
+                items.append(CostItem("weight_grad_allreduce", "comm", False, seconds, np.zeros_like(seconds),
+                                      o.tensor))
+            else:  # the input (activation) gradient: the producer's backward waits for it
+                items.append(CostItem("input_grad_allreduce", "comm", True, seconds, np.zeros_like(seconds),
+                                      o.tensor))
 
         if op.kind in ("conv", "pool"):
-            comm += self._halo(graph, op, configs, c, strides)
+            halo = self._halo(graph, op, configs, c, strides)
+            items.append(CostItem("halo", "comm", True, halo, 0.5 * halo, op.inputs[0].tensor))
         if op.kind in ("norm", "softmax", "softmax_xent"):
             a = index[op.attr("axis")]
             if op.dims[a].kind is not DimKind.BATCH:  # batch norm keeps per-device statistics
@@ -153,10 +222,31 @@ class AnalyticCostModel:
                     op.dims[a].size / c[:, a])
                 q = self.group_levels(configs, strides, [a])
                 # two statistics forward (max/sum or mean/var), two backward
-                comm += np.where(split[:, a], 4.0 * collective_seconds(
+                stats = np.where(split[:, a], 4.0 * collective_seconds(
                     self.cluster, "all_reduce", rows * graph.tensor(op.outputs[0].tensor).dtype_bytes, q), 0.0)
+                items.append(CostItem("statistics_allreduce", "comm", True, stats, 0.5 * stats))
         if op.kind == "lstm":
-            comm += self._lstm_steps(graph, op, configs, c, strides)
+            steps = self._lstm_steps(graph, op, configs, c, strides)
+            items.append(CostItem("lstm_step_collectives", "comm", True, steps, 0.5 * steps))
+        return items
+
+    def node_costs(self, graph: Graph, op: Op, configs: np.ndarray) -> NodeCosts:
+        """Per-configuration compute, comm and memory of ``op``: the sums of ``node_cost_items`` and
+        ``memory_items``."""
+        items = self.node_cost_items(graph, op, configs)
+        K = len(configs)
+        memory = np.zeros(K)
+        for m in self.memory_items(graph, op, configs):
+            memory += m.nbytes
+        if not items:
+            return NodeCosts(total=np.zeros(K), compute=np.zeros(K), comm=np.zeros(K), memory=memory)
+        compute = None
+        comm = np.zeros(K)
+        for it in items:
+            if it.stream == "compute":
+                compute = it.seconds if compute is None else compute + it.seconds
+            else:
+                comm += it.seconds
         return NodeCosts(total=compute + comm, compute=compute, comm=comm, memory=memory)
 
     def _folded(self, op: Op, procs: np.ndarray) -> np.ndarray | float:

@@ -95,8 +95,16 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 GPT3_BATCH = {"125m": 256, "350m": 256, "760m": 256, "1.3b": 512, "2.7b": 512, "6.7b": 1024, "13b": 1024,
-              "175b": 1536}
-"""GPT-3's batch sizes in sequences of 2048 (Brown et al. 2020, Table 2.1: 0.5M ... 3.2M tokens)."""
+              "175b": 1536, "530b": 1920}
+"""GPT-3's batch sizes in sequences of 2048 (Brown et al. 2020, Table 2.1: 0.5M ... 3.2M tokens);
+530B: MT-NLG's final batch of 1920 sequences (Smith et al. 2022)."""
+
+MEGATRON = {"175b": dict(t=8, p=16, micro_batch=1, recompute="full", zero=0),
+            "530b": dict(t=8, p=35, micro_batch=1, recompute="full", zero=1)}
+"""Published Megatron-LM layouts. 175B: NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh
+(t = 8, p = 16, micro-batch 1, full recomputation). 530B: MT-NLG (Smith et al. 2022: 8-way tensor
+parallelism inside a node, 35 pipeline stages across nodes, 280 GPUs per replica, ZeRO-1 data
+parallelism; micro-batch 1 and full recomputation as in Megatron-LM's large runs)."""
 
 
 def _write_json(args, out: dict) -> bool:
@@ -128,11 +136,12 @@ def _plan_pipeline(args, graph, cluster, devices) -> int:
     except PipelineDoesNotFit as exc:
         raise UsageError(str(exc)) from None
     baselines = {}
-    layers = len({op.layer for op in graph.ops if op.layer is not None})
-    if graph.hint("family") == "transformer" and layers % 16 == 0 and devices % 128 == 0:
-        try:  # Megatron-LM's GPT-3 175B layout: t = 8, p = 16, micro-batch 1, full recomputation
-            meg = price_fixed(graph, cluster, 8, devices // 128, 16, 1)
-            baselines["megatron"] = meg.iteration_seconds
+    meg = MEGATRON.get(args.size) if args.model == "gpt" else None
+    if meg and devices % (meg["t"] * meg["p"]) == 0:
+        try:  # the published Megatron-LM layout of this size
+            r_meg = price_fixed(graph, cluster, meg["t"], devices // (meg["t"] * meg["p"]), meg["p"],
+                                meg["micro_batch"], recompute=meg["recompute"], zero=meg["zero"])
+            baselines["megatron"] = r_meg.iteration_seconds
         except ValueError:
             pass
     try:

@@ -158,6 +158,7 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
     "6.7b": (32, 4096, 32),
     "13b": (40, 5120, 40),
     "175b": (96, 12288, 96),
+    "530b": (105, 20480, 128),  # Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990)
 }
 GPT_SEQ = 2048  # context length of every named size
 
