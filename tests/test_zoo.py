@@ -124,7 +124,7 @@ def test_gpt_125m_params_and_ops():
 @pytest.mark.parametrize("size", list(GPT_SIZES))
 def test_gpt_named_sizes_match_gpt3_table(size):
     nominal = {"125m": 125e6, "350m": 350e6, "760m": 760e6, "1.3b": 1.3e9, "2.7b": 2.7e9,
-               "6.7b": 6.7e9, "13b": 13e9, "175b": 175e9}[size]
+               "6.7b": 6.7e9, "13b": 13e9, "175b": 175e9, "530b": 530e9}[size]
     L, h, heads = GPT_SIZES[size]
     g = build_model("gpt", size=size)
     assert g.hint("layers") == L and g.hint("hidden") == h and g.hint("heads") == heads
