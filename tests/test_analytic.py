@@ -230,3 +230,27 @@ def test_folded_cheap_ops_are_priced_by_hand():
     procs = t0.configs[0].prod(axis=1)
     expected = 6 * 8e6 / procs / cluster.device.memory_bandwidth + 2 * 5 * 1e-4
     assert np.allclose(t1.nodes[0].compute - t0.nodes[0].compute, expected)
+
+
+def test_captured_dispatches_replace_the_per_pass_overhead():
+    """A captured op that stands for d exported calls pays 3 d op_overhead (once forward, about twice
+    backward), and its folded ops no longer pay dispatches of their own."""
+    import dataclasses
+
+    from shardplan.ir.graph import Graph
+
+    b = GraphBuilder("dispatch")
+    x = b.input("x", (64, 1024), ("batch", "features"))
+    b.linear(x, 1024, name="fc")
+    plain = b.build()
+    op = plain.ops[0]
+    extra = (("dispatches", 7), ("folded_bytes", 8e6), ("folded_ops", 5))
+    captured = Graph("dispatch", (dataclasses.replace(op, attrs=op.attrs + extra),), plain.tensors)
+    cluster = get_cluster("dgx-a100", devices=8)
+    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, op_overhead=1e-4))
+    t0 = build_tables(plain, AnalyticCostModel(cluster), 8)
+    t1 = build_tables(captured, AnalyticCostModel(cluster), 8)
+    procs = t0.configs[0].prod(axis=1)
+    # plain: 3 passes x 1e-4; captured: 3 x 7 x 1e-4 plus the folded bytes only
+    expected = 6 * 8e6 / procs / cluster.device.memory_bandwidth + (3 * 7 - 3) * 1e-4
+    assert np.allclose(t1.nodes[0].compute - t0.nodes[0].compute, expected)

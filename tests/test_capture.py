@@ -169,3 +169,26 @@ def test_folded_cheap_ops_counted_once_by_hand():
         "fc1": (1, 4 * (4 * 32 * 4 * 4)),  # adaptive average pool
         "fc2": (1, 4 * (4 * 64)),  # relu
     }
+
+
+@pytest.mark.parametrize("name", ["torch_cnn", "llama", "gpt2"])
+def test_dispatches_cover_every_exported_call_once(name):
+    """Every aten call of the exported program is charged, as a dispatch, to exactly one IR op."""
+    m, kw = build(name)
+    g = capture(m, (), kw, name=name)
+    ep = torch.export.export(m, (), kw, strict=False)
+    calls = sum(1 for n in ep.graph.nodes if n.op == "call_function")
+    assert sum(op.attr("dispatches", 0) for op in g.ops) == calls
+    assert all(op.attr("dispatches", 0) >= 1 for op in g.ops if op.kind in ("fc", "conv", "einsum"))
+
+
+def test_cnn_dispatches_by_hand():
+    """torch_cnn's exported calls, in program order, charged to the next op: conv1 its own; conv2
+    relu, pool and itself; conv3 relu, pool, itself; add: relu and the add; fc1: relu, pool, flatten,
+    linear; fc2: relu and the linear."""
+    m, kw = build("torch_cnn")
+    g = capture(m, (), kw, name="torch_cnn")
+    got = {op.name: op.attr("dispatches") for op in g.ops}
+    ep = torch.export.export(m, (), kw, strict=False)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert sum(got.values()) == len(targets) and got["conv1"] == 1 and got["conv2"] == 3

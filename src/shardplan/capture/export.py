@@ -101,6 +101,8 @@ class _Capture:
         self.pending: dict[str, None] = {}  # folded nodes attached to the op being emitted
         self.priced: set[str] = set()  # folded nodes already charged to some op
         self.limits: dict[str, dict[int, int]] = {}  # IR tensor -> axis -> split limit (view_limits)
+        self.nodes_seen = 0  # exported call_function nodes visited so far
+        self.nodes_charged = 0  # ... of which attributed (as ``dispatches``) to an emitted op
         sig = ep.graph_signature
         self.param_of_input = dict(sig.inputs_to_parameters)
         self.buffer_inputs = set(sig.inputs_to_buffers) | set(getattr(sig, "inputs_to_lifted_tensor_constants", {}))
@@ -200,11 +202,14 @@ class _Capture:
         self.vals[node.name] = _Val(out, tuple((i,) for i in range(len(meta.shape))))
 
     def take_folded(self) -> dict:
-        """``folded_ops`` / ``folded_bytes`` of the cheap compute ops attached since the last op."""
-        if not self.pending:
-            return {}
-        out = {"folded_ops": len(self.pending), "folded_bytes": sum(self.cheap_bytes[c] for c in self.pending)}
-        self.pending = {}
+        """``folded_ops`` / ``folded_bytes`` of the cheap compute ops attached since the last op, and
+        ``dispatches``: the exported aten calls visited since the last op (this op's own, its folded
+        ops and views), each one host-side dispatch per pass at run time."""
+        out = {"dispatches": self.nodes_seen - self.nodes_charged}
+        self.nodes_charged = self.nodes_seen
+        if self.pending:
+            out.update(folded_ops=len(self.pending), folded_bytes=sum(self.cheap_bytes[c] for c in self.pending))
+            self.pending = {}
         return out
 
     # -- walk ----------------------------------------------------------------------------------------
@@ -224,7 +229,13 @@ class _Capture:
                                      self._bytes(meta) if is_float else meta.element_size())
                     self.vals[node.name] = _Val(t, tuple((i,) for i in range(meta.dim())))
             elif node.op == "call_function":
+                self.nodes_seen += 1
                 self.visit(node)
+        if self.ops and self.nodes_seen > self.nodes_charged:  # calls after the last op: charge it
+            last = self.ops[-1]
+            attrs = dict(last.attrs)
+            attrs["dispatches"] = attrs.get("dispatches", 0) + self.nodes_seen - self.nodes_charged
+            self.ops[-1] = replace(last, attrs=tuple(sorted(attrs.items())))
         params = tuple(n for n, t in self.tensors.items() if t.is_param)
         for name, lims in self.limits.items():
             t = self.tensors[name]

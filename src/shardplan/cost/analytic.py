@@ -172,14 +172,15 @@ class AnalyticCostModel:
         factor = 3.0 if op.kind in CONTRACTIONS else 2.0
         flops = 0.0 if op.kind == "embedding" else op.flops  # a lookup is a gather, not a GEMM
         compute = np.maximum(factor * flops / procs / (dev.peak_flops * dev.efficiency),
-                             factor * sum(tiles) / dev.memory_bandwidth) + factor * dev.op_overhead
+                             factor * sum(tiles) / dev.memory_bandwidth) + self._dispatch(op, factor)
         # forward is one of the `factor` passes (contractions: 1 GEMM of 3; others: 1 of 2)
         items = [CostItem("compute", "compute", True, compute, compute / factor)]
         n_folded = op.attr("folded_ops", 0)
         if n_folded:
             folded = self._folded(op, procs)
             # forward: one of the three output passes (2 b / P / bw of 6 b) and one of two dispatches
-            fwd = 2.0 * op.attr("folded_bytes", 0) / procs / dev.memory_bandwidth + n_folded * dev.op_overhead
+            per_dispatch = 0.0 if op.attr("dispatches") is not None else dev.op_overhead
+            fwd = 2.0 * op.attr("folded_bytes", 0) / procs / dev.memory_bandwidth + n_folded * per_dispatch
             items.append(CostItem("folded", "compute", True, folded, np.minimum(fwd, folded)))
 
         split = c > 1
@@ -249,15 +250,24 @@ class AnalyticCostModel:
                 comm += it.seconds
         return NodeCosts(total=compute + comm, compute=compute, comm=comm, memory=memory)
 
+    def _dispatch(self, op: Op, factor: float) -> float:
+        """Host-side dispatch of ``op`` per step: ``factor`` passes of ``op_overhead`` for a hand-built
+        op; for a captured op, ``3 x dispatches x op_overhead`` (every exported aten call the op
+        stands for, its folded ops and views included, once forward and about twice backward)."""
+        d = op.attr("dispatches")
+        return (factor if d is None else 3.0 * d) * self.cluster.device.op_overhead
+
     def _folded(self, op: Op, procs: np.ndarray) -> np.ndarray | float:
         """The cheap ops capture folded into ``op`` (norms, rotary, activations, casts): each reads and
         writes its output once forward and twice backward (6 x ``folded_bytes`` of traffic, shared by
-        the op's devices), and costs two dispatches (forward and backward) of ``op_overhead``."""
+        the op's devices), and costs two dispatches (forward and backward) of ``op_overhead`` unless
+        the op counts its ``dispatches`` (then they are in :meth:`_dispatch`)."""
         n, nbytes = op.attr("folded_ops", 0), op.attr("folded_bytes", 0)
         if not n:
             return 0.0
         dev = self.cluster.device
-        return 6.0 * nbytes / procs / dev.memory_bandwidth + 2.0 * n * dev.op_overhead
+        per_dispatch = 0.0 if op.attr("dispatches") is not None else dev.op_overhead
+        return 6.0 * nbytes / procs / dev.memory_bandwidth + 2.0 * n * per_dispatch
 
     def _halo(self, graph: Graph, op: Op, configs, c, strides) -> np.ndarray:
         """Ghost rows of the input from both neighbours, forward and backward, per split spatial dim."""

@@ -3,14 +3,20 @@
 Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ranks gets:
 
 * **compute**: fp32 matmul FLOP/s per rank, all ranks busy at once (``2 n^3`` FLOPs per ``n x n``
-  product, the median of several), written as ``peak_flops`` with efficiency 1;
+  product, the median of several batches of back-to-back products, no barrier inside the timing),
+  the slowest rank's rate written as ``peak_flops`` with efficiency 1;
 * **memory bandwidth**: bytes read plus written by a 64 MB copy per second;
-* **op overhead**: forward + backward of a stack of tiny DTensor linear layers (ReLU between them)
-  on the mesh of all ranks, divided by 3 x the layer count (the cost model charges a contraction
-  3 passes): the host-side dispatch each op costs however small it is;
-* **network**: all-reduce times of a small and a large message, fitted to the ring model the cost
-  model uses, ``t = 2 (p-1) alpha + 2 (p-1)/p * n / beta`` (``cluster.model.collective_seconds``):
-  alpha from the small message, beta from the large one.
+* **op overhead**: the host-side dispatch one aten call costs however small it is: forward +
+  backward of a tiny captured Llama applied (replicated) with DTensor on the mesh of all ranks, as
+  ``shardplan run`` applies plans, divided by 3 x its exported aten calls (the cost model charges a
+  captured op ``3 x dispatches x op_overhead``). The older probe (a stack of tiny DTensor linear
+  layers, per IR op and pass) is kept in the file's comments;
+* **network**: all-reduce times of a small (1 KB) and a large (16 MB) message, issued as the runtime
+  issues them (a Partial DTensor redistributed to Replicate: on gloo about twice the raw
+  process-group call for small messages; the raw times are kept in the file's comments), fitted to
+  the ring model the cost model uses, ``t = 2 (p-1) alpha + 2 (p-1)/p * n / beta``
+  (``cluster.model.collective_seconds``): alpha from the small message, beta from the large one.
+  Each repetition starts at a barrier and takes the slowest rank's time, with no trailing barrier.
 
 Rank 0 writes the YAML file; ``shardplan plan/run --cluster FILE`` then price plans in this
 machine's seconds.
@@ -29,14 +35,32 @@ import yaml
 
 
 def _median_time(fn, reps: int) -> float:
+    """Median seconds of a collective ``fn``: ranks aligned by a barrier, each timing its own call (no
+    trailing barrier, whose latency is not the collective's), the slowest rank's time per repetition."""
     fn()
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         fn()
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    return statistics.median(times)
+
+
+def _local_time(fn, reps: int, inner: int = 8) -> float:
+    """Median seconds of a local ``fn`` while every rank runs it at once: ranks start together (one
+    barrier per batch), each times ``inner`` back-to-back calls, so no barrier latency is inside the
+    timing (a barrier over gloo costs a large fraction of a small matmul)."""
+    fn()
+    times = []
+    for _ in range(reps):
         dist.barrier()
-        times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
 
 
@@ -61,31 +85,83 @@ def _op_overhead(p: int, reps: int, layers: int = 16) -> float:
     return _median_time(step, reps) / (3.0 * layers)
 
 
+def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
+    """Seconds of an all-reduce issued the way the runtime issues it: a Partial DTensor redistributed
+    to Replicate (functional collective, wait, DTensor bookkeeping: about twice the raw
+    process-group call for small messages on gloo)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    d = DTensor.from_local(buf.clone(), mesh, [Partial()])
+    return _median_time(lambda: d.redistribute(mesh, [Replicate()]).to_local(), reps)
+
+
+def _dispatch_overhead(p: int, reps: int) -> tuple[float, int]:
+    """(seconds per exported aten call and pass, calls per forward): a tiny Llama (too small for its
+    arithmetic to matter) captured and applied replicated on all ranks, as ``shardplan run`` applies
+    plans, timed forward + backward and divided by 3 x its exported aten calls (the cost model charges
+    each captured op ``3 x dispatches x op_overhead``; ``cost.analytic``)."""
+    from shardplan.capture import capture
+    from shardplan.capture.models import build
+    from shardplan.cluster.model import Cluster, Device, Level
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.tables import build_tables
+    from shardplan.execute.apply import apply
+    from shardplan.execute.plans import replicated
+    from shardplan.plan import Plan
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    module, kwargs = build("llama", batch=2, seq=8, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=64)
+    module.eval()
+    graph = capture(module, (), kwargs, name="llama")
+    calls = sum(op.attr("dispatches", 0) for op in graph.ops)
+    any_cluster = Cluster("any", Device("any", 1e12, 1e12, 1e12), (Level("pg", p, 1e9, 1e-6),))
+    tables = build_tables(graph, AnalyticCostModel(any_cluster), p)
+    plan = Plan.from_choice(tables, replicated(tables))
+    pm = apply(module, graph, plan, init_device_mesh("cpu", (p,)))
+
+    def step():
+        out = pm(**kwargs)
+        with pm.context():
+            out.logits.float().pow(2).mean().backward()
+        for q in module.parameters():
+            q.grad = None
+
+    return _local_time(step, reps, inner=2) / (3.0 * calls), calls
+
+
 def measure(reps: int = 5, n: int = 512) -> dict:
     p = dist.get_world_size()
     a, b = torch.randn(n, n), torch.randn(n, n)
-    t_mm = _median_time(lambda: torch.mm(a, b), reps)
+    t_mm = _local_time(lambda: torch.mm(a, b), reps)
     flops = 2.0 * n ** 3 / t_mm
     big = torch.empty(8 * 1024 * 1024)  # 32 MB of fp32
     dst = torch.empty_like(big)
-    t_copy = _median_time(lambda: dst.copy_(big), reps)
+    t_copy = _local_time(lambda: dst.copy_(big), reps)
     mem_bw = 2.0 * big.numel() * 4 / t_copy
     small, large = torch.zeros(256), torch.zeros(4 * 1024 * 1024)
-    t_small = _median_time(lambda: dist.all_reduce(small), reps)
-    t_large = _median_time(lambda: dist.all_reduce(large), reps)
+    raw_small = _median_time(lambda: dist.all_reduce(small), reps)
+    raw_large = _median_time(lambda: dist.all_reduce(large), reps)
+    t_small, t_large = _dtensor_all_reduce(small, reps), _dtensor_all_reduce(large, reps)
     if p > 1:
         alpha = t_small / (2.0 * (p - 1))
         nbytes = large.numel() * 4
         beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
     else:
         alpha, beta = 0.0, float("inf")
-    overhead = _op_overhead(p, reps)
+    overhead, calls = _dispatch_overhead(p, reps)
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor([flops, mem_bw])
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
-            "seconds": {"mm": t_mm, "copy": t_copy, "all_reduce_1KB": t_small, "all_reduce_16MB": t_large}}
+            "dispatch_probe_calls": calls, "linear_stack_op_overhead": _op_overhead(p, reps),
+            "seconds": {"mm": t_mm, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
+                        "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
+                        "process_group_all_reduce_16MB": raw_large}}
 
 
 def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
