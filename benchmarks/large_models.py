@@ -6,7 +6,8 @@ Columns: search seconds (measured), plan (d, t, p, microbatches, schedule), pred
 (6 N tokens model FLOPs / iteration / GPUs) and MFU against the device's peak, peak memory per device;
 then the same for Megatron-LM's configuration (t = 8, p = 16, micro-batch 1, full recomputation, 1F1B
 for 175B: NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh, global batch 1536).
-Only 175B has a Megatron row. The last column is DAPPLE's rule (pipeline x data parallel, 1F1B, no
+175B and 530B have Megatron rows (530B: MT-NLG's t = 8, p = 35, ZeRO-1, on 2240 GPUs, which the
+benchmark adds to the GPU counts). The last column is DAPPLE's rule (pipeline x data parallel, 1F1B, no
 tensor parallelism, ZeRO or recomputation; `search.pipeline.dapple`), searched by the same DP.
 """
 
@@ -15,10 +16,11 @@ from __future__ import annotations
 import argparse
 
 from shardplan.cluster.presets import get_cluster
-from shardplan.search.pipeline import PipelineDoesNotFit, dapple, plan_pipeline, price_fixed
+from shardplan.search.pipeline import MEGATRON, PipelineDoesNotFit, dapple, plan_pipeline, price_fixed
 from shardplan.zoo.models import gpt
 
 BATCH = {"1.3b": 512, "13b": 1024, "175b": 1536,  # GPT-3 batch sizes (Brown et al. 2020, Table 2.1), sequences
+         "530b": 1920,  # MT-NLG's batch (Smith et al. 2022)
          "llama70b": 1024}  # Llama 2: 4M tokens per batch = 1024 sequences of 4096 (Touvron et al. 2023)
 SEQ = {"llama70b": 4096}
 
@@ -30,12 +32,11 @@ def model(size: str):
     if size == "llama70b":
         return gpt(layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, batch=BATCH[size], ffn=43008)
     return gpt(size=size, batch=BATCH[size])
-MEGATRON = {"175b": dict(t=8, p=16, micro_batch=1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="1.3b,13b,175b,llama70b")
+    ap.add_argument("--models", default="1.3b,13b,175b,530b,llama70b")
     ap.add_argument("--clusters", default="dgx-a100,dgx-h100")
     ap.add_argument("--gpus", default="8,64,1024")
     args = ap.parse_args()
@@ -46,7 +47,11 @@ def main() -> None:
         g = model(size)
         flops = 6.0 * g.num_params * BATCH[size] * SEQ.get(size, 2048)
         for name in args.clusters.split(","):
-            for n in map(int, args.gpus.split(",")):
+            counts = list(map(int, args.gpus.split(",")))
+            if size in MEGATRON:  # also the GPU count of the published run's replicas (530B: 8 x 280)
+                unit = MEGATRON[size]["t"] * MEGATRON[size]["p"]
+                counts += [] if any(n % unit == 0 for n in counts) else [unit * 8]
+            for n in counts:
                 c = get_cluster(name, devices=n)
                 try:
                     r = plan_pipeline(g, c, devices=n)
@@ -56,9 +61,10 @@ def main() -> None:
                 s0 = r.stages[0]
                 tf = flops / r.iteration_seconds / n / 1e12
                 meg = "-", "-"
-                if size in MEGATRON and n % (8 * MEGATRON[size]["p"]) == 0:
+                if size in MEGATRON and n % (MEGATRON[size]["t"] * MEGATRON[size]["p"]) == 0:
                     cfg = MEGATRON[size]
-                    mr = price_fixed(g, c, cfg["t"], n // (cfg["t"] * cfg["p"]), cfg["p"], cfg["micro_batch"])
+                    mr = price_fixed(g, c, cfg["t"], n // (cfg["t"] * cfg["p"]), cfg["p"], cfg["micro_batch"],
+                                     recompute=cfg["recompute"], zero=cfg["zero"])
                     meg = f"{flops / mr.iteration_seconds / n / 1e12:.0f}", f"{mr.peak_memory_bytes / 2**30:.1f}"
                 try:
                     dp = f"{flops / dapple(g, c, devices=n).iteration_seconds / n / 1e12:.0f}"

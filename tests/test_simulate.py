@@ -386,3 +386,31 @@ def test_a_100_op_graph_on_64_devices_simulates_fast():
         best = min(best, time.perf_counter() - t0)
     assert len(g.ops) >= 100 and set(r.compute_seconds) == set(range(64))
     assert best < 0.1, f"simulate took {best * 1e3:.1f} ms"
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (3, 2, 6), (4, 2, 4)])
+def test_interleaved_1f1b_replay_matches_narayanan(p, v, m):
+    """Megatron's interleaved order replayed with equal chunks of c seconds takes (m v + p - 1) c, bubble
+    (p - 1) / (m v + p - 1); plain 1F1B on the same p ranks (chunks merged) takes (m + p - 1) v c."""
+    from shardplan.plan import PipelinePlan, StageRecord
+    from shardplan.simulate import simulate_pipeline
+
+    c = 0.5
+    chunks = tuple(StageRecord((j, j), 1, 1, "none", 0, c, 1.0) for j in range(p * v))
+    plan = PipelinePlan("x", p, None, m, chunks, m, "interleaved", 0.0, 0.0, 1.0, chunks=v)
+    r = simulate_pipeline(plan, sync_seconds=0.0)
+    assert r.iteration_seconds == pytest.approx((m * v + p - 1) * c, rel=1e-12)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m * v + p - 1), rel=1e-9)
+    merged = tuple(StageRecord((i * v, i * v + v - 1), 1, 1, "none", 0, v * c, 1.0) for i in range(p))
+    plain = simulate_pipeline(PipelinePlan("x", p, None, m, merged, m, "1f1b", 0.0, 0.0, 1.0), sync_seconds=0.0)
+    assert plain.iteration_seconds == pytest.approx((m + p - 1) * v * c, rel=1e-12)
+    assert r.iteration_seconds < plain.iteration_seconds
+
+
+def test_interleaved_needs_microbatches_multiple_of_ranks():
+    from shardplan.plan import PipelinePlan, StageRecord
+    from shardplan.simulate import simulate_pipeline
+
+    chunks = tuple(StageRecord((j, j), 1, 1, "none", 0, 1.0, 1.0) for j in range(8))
+    with pytest.raises(ValueError, match="multiple of the ranks"):
+        simulate_pipeline(PipelinePlan("x", 4, None, 6, chunks, 6, "interleaved", 0.0, 0.0, 1.0, chunks=2))

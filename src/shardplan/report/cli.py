@@ -99,12 +99,7 @@ GPT3_BATCH = {"125m": 256, "350m": 256, "760m": 256, "1.3b": 512, "2.7b": 512, "
 """GPT-3's batch sizes in sequences of 2048 (Brown et al. 2020, Table 2.1: 0.5M ... 3.2M tokens);
 530B: MT-NLG's final batch of 1920 sequences (Smith et al. 2022)."""
 
-MEGATRON = {"175b": dict(t=8, p=16, micro_batch=1, recompute="full", zero=0),
-            "530b": dict(t=8, p=35, micro_batch=1, recompute="full", zero=1)}
-"""Published Megatron-LM layouts. 175B: NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh
-(t = 8, p = 16, micro-batch 1, full recomputation). 530B: MT-NLG (Smith et al. 2022: 8-way tensor
-parallelism inside a node, 35 pipeline stages across nodes, 280 GPUs per replica, ZeRO-1 data
-parallelism; micro-batch 1 and full recomputation as in Megatron-LM's large runs)."""
+
 
 
 def _write_json(args, out: dict) -> bool:
@@ -136,6 +131,8 @@ def _plan_pipeline(args, graph, cluster, devices) -> int:
     except PipelineDoesNotFit as exc:
         raise UsageError(str(exc)) from None
     baselines = {}
+    from shardplan.search.pipeline import MEGATRON
+
     meg = MEGATRON.get(args.size) if args.model == "gpt" else None
     if meg and devices % (meg["t"] * meg["p"]) == 0:
         try:  # the published Megatron-LM layout of this size

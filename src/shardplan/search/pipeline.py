@@ -390,6 +390,14 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
                           _time.perf_counter() - start)
 
 
+MEGATRON = {"175b": dict(t=8, p=16, micro_batch=1, recompute="full", zero=0),
+            "530b": dict(t=8, p=35, micro_batch=1, recompute="full", zero=1)}
+"""Published Megatron-LM layouts. 175B: NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh
+(t = 8, p = 16, micro-batch 1, full recomputation). 530B: MT-NLG (Smith et al. 2022: 8-way tensor
+parallelism inside a node, 35 pipeline stages across nodes, 280 GPUs per replica, ZeRO-1 data
+parallelism; micro-batch 1 and full recomputation as in Megatron-LM's large runs)."""
+
+
 def price_fixed(graph: Graph, cluster: Cluster, t: int, d: int, p: int, micro_batch: int,
                 recompute: str = "full", zero: int = 0, schedule: str = "1f1b",
                 memory_limit_bytes: float | None = None, chunks: int = 1) -> PipelineResult:

@@ -1,4 +1,4 @@
-"""GPipe and 1F1B schedules of a :class:`~shardplan.plan.PipelinePlan`, replayed as tasks.
+"""GPipe, 1F1B and interleaved 1F1B schedules of a :class:`~shardplan.plan.PipelinePlan`, replayed as tasks.
 
 Per stage ``i`` and microbatch ``j``: a forward task ``F(i, j)`` of a third of the stage's
 ``seconds_per_microbatch`` and a backward task ``B(i, j)`` of two thirds (forward + two backward
@@ -9,6 +9,7 @@ GEMMs, the analytic model's split). ``F(i, j)`` waits for the activation from st
 * GPipe (Huang et al. 2019): ``F(i, 0..m-1)`` then ``B(i, m-1..0)``.
 * 1F1B (PipeDream-Flush, Narayanan et al. 2021): ``w = min(p - i - 1, m)`` warm-up forwards, then
   alternately one forward and one backward, then the remaining ``w`` backwards.
+* Interleaved 1F1B (``plan.chunks = v > 1``): v chunks per rank, see :func:`interleaved_order`.
 
 Point-to-point transfers run on the sender's ``p2p`` stream, one at a time: latency + bytes /
 bandwidth on the lowest network level holding two adjacent stages (``p2p_bytes``), or a given
@@ -55,15 +56,39 @@ def schedule_order(schedule: str, p: int, i: int, m: int) -> list[tuple[str, int
         for k in range(m - w):
             order += [("F", w + k), ("B", k)]
         return order + [("B", j) for j in range(m - w, m)]
-    raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r} (interleaved 1F1B is not simulated yet)")
+    raise ValueError(f"schedule must be 'gpipe', '1f1b' or 'interleaved', got {schedule!r}")
+
+
+def interleaved_order(p: int, v: int, i: int, m: int) -> list[tuple[str, int, int]]:
+    """Pipeline rank ``i``'s compute order under interleaved 1F1B (Narayanan et al. 2021, 2.2.2, as
+    Megatron-LM runs it; m a multiple of p): ("F" | "B", virtual stage, microbatch) triples.
+
+    Microbatches go through the rank's v chunks in groups of p: the k-th forward is chunk
+    ``(k // p) % v`` of microbatch ``(k // (p v)) p + k % p``; backwards take the chunks in reverse.
+    Warm-up: ``min(2 (p - i - 1) + (v - 1) p, m v)`` forwards, then one forward and one backward
+    alternately, then the remaining backwards."""
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        if not forward:
+            chunk = v - 1 - chunk
+        return chunk * p + i, (k // (p * v)) * p + k % p
+
+    w = min(2 * (p - i - 1) + (v - 1) * p, total)
+    order = [("F", *unit(k, True)) for k in range(w)]
+    for k in range(total - w):
+        order += [("F", *unit(w + k, True)), ("B", *unit(k, False))]
+    return order + [("B", *unit(k, False)) for k in range(total - w, total)]
 
 
 def simulate_pipeline(plan: PipelinePlan, cluster: Cluster | None = None, *, p2p_seconds=0.0, p2p_bytes=None,
                       sync_seconds=None, static_bytes=None, activation_bytes=None,
                       overlap: bool = True) -> SimResult:
     """Replay ``plan``'s schedule (see the module doc); per-stage arguments take a number or a list."""
-    if plan.chunks != 1:
-        raise ValueError("interleaved 1F1B (chunks > 1) is not simulated yet")
+    if plan.chunks > 1:
+        return _simulate_interleaved(plan, p2p_seconds=p2p_seconds, sync_seconds=sync_seconds,
+                                     static_bytes=static_bytes, activation_bytes=activation_bytes, overlap=overlap)
     stages = plan.stages
     p, m = len(stages), plan.num_microbatches
     T = [s.seconds_per_microbatch for s in stages]
@@ -135,4 +160,77 @@ def simulate_pipeline(plan: PipelinePlan, cluster: Cluster | None = None, *, p2p
     for i, s in enumerate(stages):
         for k in range(s.data_parallel * s.tensor_parallel):
             rep[ranks[i] + k] = ranks[i]
+    return summarise(makespan, events, peaks, rep, bound, bubble_fraction=bubble, kind="pipeline")
+
+
+def _simulate_interleaved(plan: PipelinePlan, *, p2p_seconds=0.0, sync_seconds=None, static_bytes=None,
+                          activation_bytes=None, overlap: bool = True) -> SimResult:
+    """Interleaved 1F1B: the plan's ``stages`` are its p x v chunks, chunk s on pipeline rank s mod p;
+    each rank's compute stream runs :func:`interleaved_order`. ``sync_seconds`` (per rank) defaults to
+    the plan cost minus ``m max_i D_i + (p - 1) max_s C_s`` (``search.pipeline``'s formula);
+    ``p2p_seconds`` and ``activation_bytes`` are per chunk boundary / per chunk."""
+    stages, v, m = plan.stages, plan.chunks, plan.num_microbatches
+    q = len(stages)
+    if q % v:
+        raise ValueError(f"{q} pipeline chunks do not divide into {v} per rank")
+    p = q // v
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs the microbatches ({m}) to be a multiple of the ranks ({p})")
+    T = [s.seconds_per_microbatch for s in stages]
+    rank_t = [sum(T[s] for s in range(q) if s % p == i) for i in range(p)]
+    if sync_seconds is None:
+        rest = plan.cost - (m * max(rank_t) + (p - 1) * max(T))
+        sync = [max(0.0, rest) if math.isfinite(rest) else 0.0] * p
+    else:
+        sync = _per(sync_seconds, p, "sync_seconds")
+    p2p = _per(p2p_seconds, q - 1, "p2p_seconds")
+    act = _per(activation_bytes, q, "activation_bytes")
+    if static_bytes is None:
+        held = [inflight_microbatches("interleaved", p, i, m, v) * sum(act[s] for s in range(q) if s % p == i)
+                for i in range(p)]
+        static = [max(0.0, stages[i].memory_bytes - held[i]) for i in range(p)]
+    else:
+        static = _per(static_bytes, p, "static_bytes")
+    width = stages[0].data_parallel * stages[0].tensor_parallel
+    dev = [i * width for i in range(p)]
+    tg = TaskGraph()
+    F: dict[tuple[int, int], int] = {}
+    B: dict[tuple[int, int], int] = {}
+    for i in range(p):
+        tg.static_bytes[dev[i]] = static[i]
+        lane = (dev[i], "compute")
+        tg.set_strict(lane)
+        if not overlap:
+            for stream in ("compute", "comm", "p2p"):
+                tg.merge((dev[i], stream), (dev[i], "serial"))
+        for what, st, j in interleaved_order(p, v, i, m):
+            mem = ((dev[i], act[st]),) if act[st] else ()
+            if what == "F":
+                F[st, j] = tg.add(f"chunk {st} F{j}", T[st] / 3.0, [lane], alloc=mem)
+            else:
+                B[st, j] = tg.add(f"chunk {st} B{j}", T[st] - T[st] / 3.0, [lane], free=mem)
+    for st in range(q):
+        for j in range(m):
+            if st + 1 < q:
+                if p2p[st] > 0:
+                    a = tg.add(f"send act {st}->{st + 1} mb{j}", p2p[st], [(dev[st % p], "p2p")], [F[st, j]],
+                               kind="comm")
+                    tg.add_dep(F[st + 1, j], a)
+                    g = tg.add(f"send grad {st + 1}->{st} mb{j}", p2p[st], [(dev[(st + 1) % p], "p2p")],
+                               [B[st + 1, j]], kind="comm")
+                    tg.add_dep(B[st, j], g)
+                else:
+                    tg.add_dep(F[st + 1, j], F[st, j])
+                    tg.add_dep(B[st, j], B[st + 1, j])
+            else:
+                tg.add_dep(B[st, j], F[st, j])
+    for i in range(p):
+        if sync[i] > 0:
+            tg.add(f"rank {i} gradient sync", sync[i], [(dev[i], "comm")],
+                   [B[st, j] for st in range(q) if st % p == i for j in range(m)], kind="comm")
+    makespan, events, peaks, bound = tg.run()
+    flush = max(e.end for e in events if e.stream == "compute")
+    busy = sum(T) * m
+    bubble = max(0.0, 1.0 - busy / (p * flush)) if flush > 0 else 0.0
+    rep = {dev[i] + k: dev[i] for i in range(p) for k in range(width)}
     return summarise(makespan, events, peaks, rep, bound, bubble_fraction=bubble, kind="pipeline")
