@@ -192,3 +192,29 @@ def test_cnn_dispatches_by_hand():
     ep = torch.export.export(m, (), kw, strict=False)
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert sum(got.values()) == len(targets) and got["conv1"] == 1 and got["conv2"] == 3
+
+
+def test_folded_norm_scale_gradient_is_reduced_over_the_batch_only():
+    """Llama's post-attention RMSNorm scale rides on gate_proj (unindexed). Column-splitting gate_proj
+    reduces its input gradient at the op (apply does), so the scale needs no all-reduce of its own;
+    a batch split still all-reduces it (data parallelism)."""
+    import numpy as np
+
+    from shardplan.cluster.presets import get_cluster
+    from shardplan.cost.analytic import AnalyticCostModel
+
+    m, kw = build("llama")
+    g = capture(m, (), kw, name="llama")
+    op = g.op("model.layers.0.mlp.gate_proj")
+    scale = [o.tensor for o in op.inputs if g.tensor(o.tensor).is_param and not any(o.axes)]
+    assert scale == ["model.layers.0.post_attention_layernorm.weight"]
+    model = AnalyticCostModel(get_cluster("dgx-a100", devices=2))
+
+    def grads(**split):
+        cfg = np.array([[split.get(d.name, 1) for d in op.dims]])
+        return {it.tensor for it in model.node_cost_items(g, op, cfg)
+                if it.name == "weight_grad_allreduce" and it.seconds[0] > 0}
+
+    assert scale[0] not in grads(out_features=2)
+    assert "model.layers.0.mlp.gate_proj.weight" not in grads(out_features=2)
+    assert scale[0] in grads(batch=2) and "model.layers.0.mlp.gate_proj.weight" in grads(batch=2)

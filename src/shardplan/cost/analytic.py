@@ -186,6 +186,7 @@ class AnalyticCostModel:
         split = c > 1
         index = {n: i for i, n in enumerate(op.dim_names)}
         skip_rule = op.kind == "lstm"
+        acts = [o for o in op.inputs if not graph.tensor(o.tensor).is_param]
         for j, (o, t) in enumerate(zip(operands, tiles)):
             is_output = j >= len(op.inputs)
             is_param = False
@@ -199,6 +200,12 @@ class AnalyticCostModel:
                 continue
             present = set(o.dims())
             missing = [i for i, n in enumerate(op.dim_names) if n not in present]
+            if is_param and not present and acts:
+                # a parameter of a cheap op folded into this one (a norm's scale, captured graphs):
+                # it acts on the op's input before the op, whose gradient is reduced at the op, so
+                # its own gradient is partial only over the split dims of that input (the batch)
+                seen = set(acts[0].dims())
+                missing = [i for i, n in enumerate(op.dim_names) if n in seen]
             if not missing:
                 continue
             q = self.group_levels(configs, strides, missing)

@@ -13,7 +13,9 @@ For a mesh of the plan's shape (``Plan.mesh_view``: every op's split dims get me
   modules (norms, attention matmuls, residual adds) follows DTensor's own sharding propagation, and
   plain tensors made inside the model (masks, positions) count as replicated;
 * **gradients** come out of DTensor's autograd as the parameters' placements: replicated weights get
-  their all-reduce, sharded ones stay sharded.
+  their all-reduce, sharded ones stay sharded; the gradient of a heavy module's input is brought back
+  to the input's placements at the module (a partial gradient is all-reduced there, where the plan
+  prices it, not carried down the residual stream).
 
 The result computes what the single-device module computes (``tests/test_apply.py`` checks loss and
 every gradient). Plans the runtime cannot honour are refused before anything runs, with the reason.
@@ -224,6 +226,25 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
     return ParallelModule(module, mesh, inputs)
 
 
+class _GradAt(torch.autograd.Function):
+    """Identity forward; backward redistributes the gradient to the placements the input had, so a
+    partial input gradient is reduced at the op that made it, as the plan prices it, instead of being
+    carried along (DTensor keeps a Partial gradient lazily, and every weight gradient computed from it
+    downstream then needs an all-reduce of its own)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.placements = tuple(x.placements)
+        ctx.mesh = x.device_mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad
+
+
 def _pre_hook(mesh, in_shape, target):
     def hook(mod, args):
         if not args or not isinstance(args[0], torch.Tensor) or target is None:
@@ -233,7 +254,10 @@ def _pre_hook(mesh, in_shape, target):
         if tuple(x.shape) != tuple(in_shape or ()) and (in_shape is None or x.ndim != len(in_shape)):
             # a reshaped view of the planned tensor (a flatten, say): keep only the batch split
             pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in target]
-        return (_to_layout(x, mesh, pl),) + tuple(args[1:])
+        x = _to_layout(x, mesh, pl)
+        if isinstance(x, DTensor) and x.requires_grad:
+            x = _GradAt.apply(x)
+        return (x,) + tuple(args[1:])
     return hook
 
 
