@@ -148,3 +148,38 @@ def test_gqa_split_finer_than_kv_heads_is_refused(models):
     bad = Plan(**{**plan.__dict__, "ops": tuple(ops)})
     with pytest.raises(ApplyError, match="k_proj.*4 ways.*divide 2"):
         check(graph, bad, (4,))
+
+
+def _lstm_plan(graph, which, devices):
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=devices)), devices)
+    if which == "embed_split":  # the table split by columns, the LSTM and head data parallel
+        choice = list(data_parallel(tables))
+        i = next(k for k, op in enumerate(graph.ops) if op.kind == "embedding")
+        choice[i] = tables.index_of(i, tuple(devices if d.name == "embed" else 1 for d in graph.ops[i].dims))
+        return Plan.from_choice(tables, choice)
+    return make_plan(graph, which, devices)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("which", ["data_parallel", "odd", "embed_split", "searched"])
+def test_lstm_lm_matches_single_device(which, devices):
+    """The LSTM runs on each rank's batch shard with its local weights (gradients declared partial over
+    the batch split); the embedding and the head split as planned around it."""
+    torch.manual_seed(0)
+    module, kwargs = build("lstm_lm")
+    module.eval()
+    graph = capture(module, (), kwargs, name="lstm_lm")
+    loss = module(**kwargs).float().pow(2).mean()
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    plan = _lstm_plan(graph, which, devices)
+    lstm = next(p for p, op in zip(plan.ops, graph.ops) if op.kind == "lstm")
+    if which != "searched":
+        assert dict(lstm.split)["batch"] == devices
+    scale = max(float(g.abs().max()) for g in ref.values())
+    for got_loss, grads in run_plan(module, kwargs, graph, plan, devices):
+        assert got_loss == pytest.approx(loss.item(), rel=1e-5)
+        assert set(grads) == set(ref)
+        for n, g in grads.items():
+            assert torch.allclose(g, ref[n], rtol=1e-5, atol=1e-6 * scale), n

@@ -77,9 +77,6 @@ def check_model(graph: Graph, plan: Plan) -> None:
         if op.kind not in _RUNNABLE and p.devices > 1 and any(
                 f > 1 and d != "batch" for d, f in p.split):
             raise ApplyError(f"op {op.name!r} of kind {op.kind!r} can only be split by batch at run time")
-        if op.kind == "lstm":
-            raise ApplyError(f"op {op.name!r}: LSTMs have no DTensor sharding rule in torch 2.13; "
-                             f"plans with an LSTM cannot be run yet")
 
 
 def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[OpMesh]:
@@ -213,6 +210,9 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
                                         requires_grad=param.requires_grad))
     for fqn, (in_shape, in_pl, out_pl, out_shape) in hooks.items():
         sub = module.get_submodule(fqn)
+        if isinstance(sub, nn.LSTM):
+            _run_locally(sub, mesh, in_pl)
+            continue
         if type(sub).__name__ not in _HOOKED:
             continue
         sub.register_forward_pre_hook(_pre_hook(mesh, in_shape, in_pl))
@@ -224,6 +224,37 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
     names = dict(input_names or {})
     inputs = {names.get(k, k): v for k, v in wants.items()}
     return ParallelModule(module, mesh, inputs)
+
+
+def _run_locally(lstm: nn.LSTM, mesh: DeviceMesh, in_pl) -> None:
+    """Run an LSTM (no DTensor sharding rule in torch 2.13) on each rank's batch shard with the local
+    copy of its replicated weights. The input is brought to the planned layout (batch split over some
+    mesh axes), the weights enter as local tensors whose gradients are declared partial over those
+    axes (each rank's gradient covers its share of the batch), so DTensor reduces them as a data-parallel
+    gradient; output and state go back as DTensors sharded on the batch."""
+    from torch.distributed.tensor import Partial
+    from torch.func import functional_call
+
+    batch_in = 0 if lstm.batch_first else 1
+    forward = lstm.forward
+
+    def local_forward(x, hx=None):
+        if not isinstance(x, DTensor):
+            return forward(x, hx)
+        target = [Shard(batch_in) if isinstance(p, Shard) else Replicate() for p in in_pl]
+        x = x.redistribute(mesh, target) if tuple(x.placements) != tuple(target) else x
+        grad_pl = [Partial() if isinstance(p, Shard) else Replicate() for p in target]
+        weights = {n: (w.to_local(grad_placements=grad_pl) if isinstance(w, DTensor) else w)
+                   for n, w in lstm.named_parameters()}
+        if hx is not None:
+            hx = tuple(h.to_local() if isinstance(h, DTensor) else h for h in hx)
+        y, (h, c) = functional_call(lstm, weights, (x.to_local(), hx))
+        state_pl = [Shard(1) if isinstance(p, Shard) else Replicate() for p in target]
+        return (DTensor.from_local(y, mesh, target, run_check=False),
+                (DTensor.from_local(h, mesh, state_pl, run_check=False),
+                 DTensor.from_local(c, mesh, state_pl, run_check=False)))
+
+    lstm.forward = local_forward
 
 
 class _GradAt(torch.autograd.Function):

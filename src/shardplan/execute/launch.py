@@ -16,7 +16,7 @@ from shardplan.execute.apply import ApplyError, check, choose_mesh
 from shardplan.plan import Plan
 from shardplan.search.solve import solve
 
-RUNNABLE = tuple(m for m in TORCH_MODELS + HF_MODELS if m not in ("lstm_lm", "mixtral"))
+RUNNABLE = tuple(m for m in TORCH_MODELS + HF_MODELS if m != "mixtral")
 
 
 def _free_port() -> int:
