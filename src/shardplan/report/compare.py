@@ -119,7 +119,7 @@ def compare(graph: Graph, cluster: Cluster, devices: int, *, memory_limit_bytes:
         add("optcnn", oc.choice, time.perf_counter() - t0, ok,
             "" if ok else "ignores the memory limit; its plan does not fit")
     except NotReducible as exc:
-        add("optcnn", None, time.perf_counter() - t0, note=str(exc).split(";")[0])
+        add("optcnn", None, time.perf_counter() - t0, note=str(exc).split(" (")[0] + ": not series-parallel")
 
     for name, choice in all_baselines(tables).items():
         t0 = time.perf_counter()
