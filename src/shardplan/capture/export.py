@@ -39,7 +39,8 @@ class CaptureError(ValueError):
 
 
 _HEAVY = {"linear", "addmm", "mm", "matmul", "bmm", "conv2d", "convolution", "embedding",
-          "scaled_dot_product_attention", "lstm", "conv1d", "conv3d", "einsum", "baddbmm"}
+          "scaled_dot_product_attention", "lstm", "conv1d", "conv3d", "einsum", "baddbmm",
+          "grouped_mm_fallback", "_grouped_mm"}
 
 
 # Folded ops that launch no kernel of their own (views and aliases); every other folded op is counted.
@@ -416,6 +417,33 @@ class _Capture:
 
     h_bmm = h_matmul
 
+    def h_grouped_mm_fallback(self, node):
+        """A mixture-of-experts grouped GEMM (transformers' ``grouped_mm``: tokens sorted by expert,
+        ``x (T, K) @ w[e] (K, N)`` for each expert's slice of rows): an fc whose weight has a leading
+        experts axis. T counts token x top-k rows, so FLOPs are ``2 T K N``; the experts dim is kept
+        whole (the runtime cannot split routed experts), tokens are the batch."""
+        x, w = node.args[0], node.args[1]
+        (t, k), (e, kw, n) = tuple(self._meta(x).shape), tuple(self._meta(w).shape)
+        if kw != k:
+            raise CaptureError(f"op {node.target} ({node.name}): weight {tuple(self._meta(w).shape)} does not "
+                               f"match input {tuple(self._meta(x).shape)}")
+        dims = [Dim("tokens", int(t), DimKind.BATCH), Dim("experts", int(e), splittable=False),
+                Dim("out_features", int(n)), Dim("in_features", int(k), DimKind.REDUCTION)]
+        inputs = [self.operand(x, ["tokens", "in_features"])]
+        wname = self._weight(w)
+        if wname is None:
+            raise CaptureError(f"op {node.target} ({node.name}): the expert weights are not a parameter")
+        axes = [("experts",), ("in_features",), ("out_features",)]
+        if tuple(self.tensors[wname].shape) != (e, k, n):  # stored (E, N, K) and transposed for the call
+            axes = [("experts",), ("out_features",), ("in_features",)]
+        inputs.append(Operand(wname, tuple(axes)))
+        self.attached.add(wname)
+        self.attach([x], inputs)
+        self.emit(node, "fc", dims, inputs, ["tokens", "out_features"], 2.0 * t * k * n, pw_ops=0,
+                  out_labels=["batch", "features"])
+
+    h__grouped_mm = h_grouped_mm_fallback
+
     def _matmul(self, node, a, b) -> None:
         sa, sb = tuple(self._meta(a).shape), tuple(self._meta(b).shape)
         if len(sa) < 2 or len(sb) < 2:
@@ -573,7 +601,31 @@ def capture(module: torch.nn.Module, example_inputs=(), example_kwargs: dict | N
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds; report them in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export failed on {name!r}: {type(exc).__name__}: {first}") from None
-    return _with_layers(_Capture(ep, name, dtype_bytes).run(), module)
+    return _local_blocks(_with_layers(_Capture(ep, name, dtype_bytes).run(), module))
+
+
+def _local_blocks(graph: Graph) -> Graph:
+    """Mixture-of-experts blocks (the module holding routed experts, e.g. Mixtral's ``...mlp``) run as
+    local computations on each rank's batch shard (``execute.apply``): their ops keep every dim but the
+    batch whole, and the graph lists the blocks in ``meta["local_blocks"]``."""
+    import dataclasses
+
+    blocks = sorted({op.module.rsplit(".", 1)[0] for op in graph.ops
+                     if "experts" in op.dim_names and op.module and "." in op.module})
+    if not blocks:
+        return graph
+
+    def inside(op):
+        return op.module is not None and any(op.module == b or op.module.startswith(b + ".") for b in blocks)
+
+    ops = []
+    for op in graph.ops:
+        if inside(op):
+            dims = tuple(dataclasses.replace(d, splittable=d.splittable and d.kind is DimKind.BATCH) for d in op.dims)
+            op = dataclasses.replace(op, dims=dims)
+        ops.append(op)
+    meta = tuple(graph.meta) + (("local_blocks", tuple(blocks)),)
+    return Graph(graph.name, tuple(ops), graph.tensors, meta)
 
 
 def block_list(module: torch.nn.Module) -> str | None:

@@ -208,10 +208,13 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
         sub = module.get_submodule(owner) if owner else module
         setattr(sub, attr, nn.Parameter(distribute_tensor(param.detach(), mesh, pl),
                                         requires_grad=param.requires_grad))
+    local = dict(graph.meta).get("local_blocks", ())
     for fqn, (in_shape, in_pl, out_pl, out_shape) in hooks.items():
+        if any(fqn == b or fqn.startswith(b + ".") for b in local):
+            continue  # runs inside a local block, on plain tensors
         sub = module.get_submodule(fqn)
         if isinstance(sub, nn.LSTM):
-            _run_locally(sub, mesh, in_pl)
+            _run_locally(sub, mesh, in_pl, 0 if sub.batch_first else 1)
             continue
         if type(sub).__name__ not in _HOOKED:
             continue
@@ -221,40 +224,52 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             # conv outputs keep only their batch split; the next conv re-shards (locally, no traffic)
             out_pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in out_pl]
         sub.register_forward_hook(_post_hook(mesh, out_shape, out_pl))
+    for block in dict(graph.meta).get("local_blocks", ()):
+        # a mixture-of-experts block runs on each rank's batch shard: the placements its first op reads
+        first = next((op, om) for op, om in zip(graph.ops, opmeshes)
+                     if op.module == block or (op.module or "").startswith(block + "."))
+        acts = [o for o in first[0].inputs if not graph.tensor(o.tensor).is_param]
+        pl = placements(acts[0], first[1], shape) if acts else [Replicate()] * mesh.ndim
+        _run_locally(module.get_submodule(block), mesh, pl, 0)
     names = dict(input_names or {})
     inputs = {names.get(k, k): v for k, v in wants.items()}
     return ParallelModule(module, mesh, inputs)
 
 
-def _run_locally(lstm: nn.LSTM, mesh: DeviceMesh, in_pl) -> None:
-    """Run an LSTM (no DTensor sharding rule in torch 2.13) on each rank's batch shard with the local
-    copy of its replicated weights. The input is brought to the planned layout (batch split over some
-    mesh axes), the weights enter as local tensors whose gradients are declared partial over those
-    axes (each rank's gradient covers its share of the batch), so DTensor reduces them as a data-parallel
-    gradient; output and state go back as DTensors sharded on the batch."""
+def _run_locally(sub: nn.Module, mesh: DeviceMesh, in_pl, batch_in: int = 0) -> None:
+    """Run ``sub`` (an LSTM, or a mixture-of-experts block: no DTensor sharding rule in torch 2.13) on
+    each rank's batch shard with the local copy of its replicated weights. The input is brought to the
+    planned layout (the batch, axis ``batch_in``, split over some mesh axes), the weights enter as
+    local tensors whose gradients are declared partial over those axes (each rank's gradient covers
+    its share of the batch), so DTensor reduces them as a data-parallel gradient; outputs go back as
+    DTensors sharded on the batch (an LSTM's state on its axis 1)."""
     from torch.distributed.tensor import Partial
     from torch.func import functional_call
 
-    batch_in = 0 if lstm.batch_first else 1
-    forward = lstm.forward
+    forward = sub.forward
+    is_lstm = isinstance(sub, nn.LSTM)
 
-    def local_forward(x, hx=None):
+    def local_forward(x, *rest):
         if not isinstance(x, DTensor):
-            return forward(x, hx)
+            return forward(x, *rest)
         target = [Shard(batch_in) if isinstance(p, Shard) else Replicate() for p in in_pl]
         x = x.redistribute(mesh, target) if tuple(x.placements) != tuple(target) else x
         grad_pl = [Partial() if isinstance(p, Shard) else Replicate() for p in target]
         weights = {n: (w.to_local(grad_placements=grad_pl) if isinstance(w, DTensor) else w)
-                   for n, w in lstm.named_parameters()}
-        if hx is not None:
-            hx = tuple(h.to_local() if isinstance(h, DTensor) else h for h in hx)
-        y, (h, c) = functional_call(lstm, weights, (x.to_local(), hx))
-        state_pl = [Shard(1) if isinstance(p, Shard) else Replicate() for p in target]
-        return (DTensor.from_local(y, mesh, target, run_check=False),
-                (DTensor.from_local(h, mesh, state_pl, run_check=False),
-                 DTensor.from_local(c, mesh, state_pl, run_check=False)))
+                   for n, w in sub.named_parameters()}
+        rest = tuple(tuple(h.to_local() if isinstance(h, DTensor) else h for h in r) if isinstance(r, tuple)
+                     else (r.to_local() if isinstance(r, DTensor) else r) for r in rest)
+        out = functional_call(sub, weights, (x.to_local(), *rest))
+        if is_lstm:
+            y, (h, c) = out
+            state_pl = [Shard(1) if isinstance(p, Shard) else Replicate() for p in target]
+            return (DTensor.from_local(y, mesh, target, run_check=False),
+                    (DTensor.from_local(h, mesh, state_pl, run_check=False),
+                     DTensor.from_local(c, mesh, state_pl, run_check=False)))
+        wrap = lambda t: DTensor.from_local(t, mesh, target, run_check=False) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
-    lstm.forward = local_forward
+    sub.forward = local_forward
 
 
 class _GradAt(torch.autograd.Function):

@@ -16,7 +16,7 @@ from shardplan.execute.apply import ApplyError, check, choose_mesh
 from shardplan.plan import Plan
 from shardplan.search.solve import solve
 
-RUNNABLE = tuple(m for m in TORCH_MODELS + HF_MODELS if m != "mixtral")
+RUNNABLE = tuple(TORCH_MODELS + HF_MODELS)
 
 
 def _free_port() -> int:
