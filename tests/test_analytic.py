@@ -254,3 +254,28 @@ def test_captured_dispatches_replace_the_per_pass_overhead():
     # plain: 3 passes x 1e-4; captured: 3 x 7 x 1e-4 plus the folded bytes only
     expected = 6 * 8e6 / procs / cluster.device.memory_bandwidth + (3 * 7 - 3) * 1e-4
     assert np.allclose(t1.nodes[0].compute - t0.nodes[0].compute, expected)
+
+
+def test_calibrated_fields_survive_a_cluster_file_and_convs_use_their_rate():
+    """op_overhead and conv_efficiency round-trip through a cluster file; a conv at conv_efficiency 0.5
+    takes twice the compute of the same FLOPs at 1.0 (when compute-bound)."""
+    import dataclasses
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+    from shardplan.zoo import build_model
+
+    c = get_cluster("dgx-a100", devices=8)
+    calibrated = dataclasses.replace(c, device=dataclasses.replace(c.device, op_overhead=2e-5, conv_efficiency=0.5))
+    back = cluster_from_dict(cluster_to_dict(calibrated))
+    assert back.device.op_overhead == 2e-5 and back.device.conv_efficiency == 0.5
+    with pytest.raises(ClusterError, match="conv_efficiency"):
+        dataclasses.replace(c.device, conv_efficiency=0.0)
+    g = build_model("alexnet")
+    full = build_tables(g, AnalyticCostModel(c), 8)
+    half = build_tables(g, AnalyticCostModel(calibrated), 8)
+    for op, a, b in zip(g.ops, full.nodes, half.nodes):
+        if op.kind == "conv":
+            assert np.all(b.compute >= a.compute) and np.any(b.compute > 1.5 * a.compute), op.name
+        elif op.kind == "fc":
+            assert np.allclose(b.compute - a.compute, 3 * 2e-5), op.name  # only the dispatch changed

@@ -45,6 +45,9 @@ class Device:
     op_overhead: float = 0.0
     """Seconds of host-side dispatch per op and pass (kernel launch, DTensor sharding propagation);
     0 for the datasheet presets, measured by ``shardplan calibrate``."""
+    conv_efficiency: float = 1.0
+    """A convolution's FLOP rate over a large matmul's (1.0 = the same; measured by ``shardplan
+    calibrate``: direct convolution kernels often run well below the GEMM rate on CPUs)."""
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "memory_bytes", "memory_bandwidth"):
@@ -53,6 +56,8 @@ class Device:
                 raise ClusterError(f"device.{f} must be a positive number, got {v!r}")
         if not isinstance(self.op_overhead, (int, float)) or self.op_overhead < 0:
             raise ClusterError(f"device.op_overhead must be a non-negative number, got {self.op_overhead!r}")
+        if not isinstance(self.conv_efficiency, (int, float)) or not self.conv_efficiency > 0:
+            raise ClusterError(f"device.conv_efficiency must be a positive number, got {self.conv_efficiency!r}")
         if not 0 < self.efficiency <= 1:
             raise ClusterError(f"device.efficiency must be in (0, 1], got {self.efficiency!r}")
 

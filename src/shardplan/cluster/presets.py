@@ -76,7 +76,7 @@ def get_cluster(name_or_path: str, nodes: int | None = None, devices: int | None
 
 
 _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memory_bandwidth": float,
-                  "efficiency": float, "op_overhead": float}
+                  "efficiency": float, "op_overhead": float, "conv_efficiency": float}
 _LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float}
 
 
@@ -163,6 +163,7 @@ def cluster_to_dict(cluster: Cluster) -> dict:
     d = cluster.device
     return {"name": cluster.name,
             "device": {"name": d.name, "peak_flops": d.peak_flops, "memory_bytes": d.memory_bytes,
-                       "memory_bandwidth": d.memory_bandwidth, "efficiency": d.efficiency},
+                       "memory_bandwidth": d.memory_bandwidth, "efficiency": d.efficiency,
+                       "op_overhead": d.op_overhead, "conv_efficiency": d.conv_efficiency},
             "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency}
                        for lv in cluster.levels]}

@@ -171,7 +171,8 @@ class AnalyticCostModel:
 
         factor = 3.0 if op.kind in CONTRACTIONS else 2.0
         flops = 0.0 if op.kind == "embedding" else op.flops  # a lookup is a gather, not a GEMM
-        compute = np.maximum(factor * flops / procs / (dev.peak_flops * dev.efficiency),
+        rate = dev.peak_flops * dev.efficiency * (dev.conv_efficiency if op.kind == "conv" else 1.0)
+        compute = np.maximum(factor * flops / procs / rate,
                              factor * sum(tiles) / dev.memory_bandwidth) + self._dispatch(op, factor)
         # forward is one of the `factor` passes (contractions: 1 GEMM of 3; others: 1 of 2)
         items = [CostItem("compute", "compute", True, compute, compute / factor)]

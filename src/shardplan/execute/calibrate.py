@@ -5,6 +5,8 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
 * **compute**: fp32 matmul FLOP/s per rank, all ranks busy at once (``2 n^3`` FLOPs per ``n x n``
   product, the median of several batches of back-to-back products, no barrier inside the timing),
   the slowest rank's rate written as ``peak_flops`` with efficiency 1;
+* **convolutions**: a 3x3 convolution (batch 8, 32 -> 64 channels, 16 x 16) forward and backward,
+  its FLOP rate over the matmul's written as ``conv_efficiency``;
 * **memory bandwidth**: bytes read plus written by a 64 MB copy per second;
 * **op overhead**: the host-side dispatch one aten call costs however small it is: forward +
   backward of a tiny captured Llama applied (replicated) with DTensor on the mesh of all ranks, as
@@ -138,6 +140,14 @@ def measure(reps: int = 5, n: int = 512) -> dict:
     a, b = torch.randn(n, n), torch.randn(n, n)
     t_mm = _local_time(lambda: torch.mm(a, b), reps)
     flops = 2.0 * n ** 3 / t_mm
+    conv = torch.nn.Conv2d(32, 64, 3, padding=1)
+    img = torch.randn(8, 32, 16, 16, requires_grad=True)
+
+    def conv_step():
+        conv(img).sum().backward()
+
+    t_conv = _local_time(conv_step, reps)
+    conv_flops = 3.0 * 2.0 * 8 * 64 * 16 * 16 * 32 * 9 / t_conv  # forward + two backward convolutions
     big = torch.empty(8 * 1024 * 1024)  # 32 MB of fp32
     dst = torch.empty_like(big)
     t_copy = _local_time(lambda: dst.copy_(big), reps)
@@ -154,12 +164,13 @@ def measure(reps: int = 5, n: int = 512) -> dict:
         alpha, beta = 0.0, float("inf")
     overhead, calls = _dispatch_overhead(p, reps)
     # the slowest rank decides a step: take the minimum rate over ranks
-    rates = torch.tensor([flops, mem_bw])
+    rates = torch.tensor([flops, mem_bw, conv_flops])
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
+            "conv_flops": float(rates[2]), "conv_efficiency": float(rates[2] / rates[0]),
             "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
             "dispatch_probe_calls": calls, "linear_stack_op_overhead": _op_overhead(p, reps),
-            "seconds": {"mm": t_mm, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
+            "seconds": {"mm": t_mm, "conv": t_conv, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
                         "process_group_all_reduce_16MB": raw_large}}
 
@@ -168,7 +179,7 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
     return {"name": name,
             "device": {"name": "cpu-rank", "peak_flops": m["matmul_flops"], "memory_bytes": memory_bytes,
                        "memory_bandwidth": m["memory_bandwidth"], "efficiency": 1.0,
-                       "op_overhead": m["op_overhead"]},
+                       "op_overhead": m["op_overhead"], "conv_efficiency": m["conv_efficiency"]},
             "levels": [{"name": "process group", "fanout": m["world_size"],
                         "bandwidth": m["bandwidth"] if m["bandwidth"] != float("inf") else 1e12,
                         "latency": m["latency"]}]}

@@ -1,7 +1,8 @@
 """One rank of ``shardplan run`` (started by torchrun): train K steps of a plan on synthetic data.
 
 Every rank builds the same model from the same seed, captures it, applies the plan, and runs SGD
-steps on a fixed synthetic batch, timing each step after a warm-up. With ``--check`` each rank also
+steps on a fixed synthetic batch, timing each step after a warm-up (from a common barrier to the end
+of the slowest rank's step). With ``--check`` each rank also
 runs the single-device model on the same batch and compares the first step's loss and every
 gradient. All ranks reach the same collectives (an all-reduce of the verdict) even when one fails,
 so gloo never hangs; rank 0 writes the result as JSON.
@@ -76,9 +77,11 @@ def main(argv=None) -> None:
                         if p.grad is not None:
                             p.add_(p.grad, alpha=-1e-3)
                             p.grad = None
-            dist.barrier()
+            # the slowest rank's step, from a common start; no trailing barrier inside the timing
+            took = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if step:
-                times.append(time.perf_counter() - t0)
+                times.append(float(took))
         result["measured_step_seconds"] = sorted(times)[len(times) // 2]
         result["step_seconds"] = times
         if args.check:
