@@ -191,6 +191,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    from shardplan.execute.launch import pin_to_core
+
+    pin_to_core()  # as `shardplan run` does
     m = measure(args.reps)
     if dist.get_rank() == 0:
         import os

@@ -19,6 +19,16 @@ from shardplan.search.solve import solve
 RUNNABLE = tuple(TORCH_MODELS + HF_MODELS)
 
 
+def pin_to_core() -> None:
+    """Pin this rank to one core (local rank r on core r) when the machine has a core per local rank,
+    so ranks do not migrate and trade cores mid-step; a no-op elsewhere."""
+    local = int(os.environ.get("LOCAL_RANK", "-1"))
+    world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if 0 <= local < world <= len(cores):
+        os.sched_setaffinity(0, {cores[local]})
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from shardplan.capture.models import build, parse_config
+from shardplan.execute.launch import pin_to_core
 from shardplan.execute.pipeline import PipelineSpec, apply_pipeline
 
 
@@ -114,6 +115,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    pin_to_core()
     if args.plan:
         run_plan(args)
         dist.destroy_process_group()

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from shardplan.capture import capture
 from shardplan.capture.models import build, parse_config
 from shardplan.execute.apply import apply, choose_mesh
+from shardplan.execute.launch import pin_to_core
 from shardplan.plan import Plan
 
 
@@ -46,6 +47,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    pin_to_core()
     rank = dist.get_rank()
     result: dict = {"rank_errors": []}
     ok = torch.ones(1)
