@@ -121,3 +121,22 @@ def test_price_pipeline_reprices_a_plan_exactly():
                        bad.schedule, bad.cost, bad.bubble_fraction, bad.peak_memory_bytes, chunks=bad.chunks)
     with pytest.raises(ValueError, match="do not cover the 8 layers"):
         price_pipeline(g, c, bad)
+
+
+def test_sub_node_stages_across_nodes_pay_the_inter_node_link():
+    """4 stages of 2 GPUs: inside one 8-GPU node every boundary is on NVLink; on 2 nodes of 4 GPUs the
+    middle boundary is on InfiniBand, and every boundary is priced there (an upper bound)."""
+    import dataclasses
+
+    from shardplan.cluster.model import Level
+
+    g = gpt(layers=8, hidden=1024, heads=8, seq=512, vocab=512, batch=16)
+    one = get_cluster("dgx-a100", nodes=1)
+    node, ib = one.levels[0], one.levels[-1]
+    two = dataclasses.replace(one, levels=(Level(node.name, 4, node.bandwidth, node.latency),
+                                           Level(ib.name, 2, ib.bandwidth, ib.latency)))
+    fast = price_fixed(g, one, 1, 2, 4, micro_batch=2, recompute="none")
+    slow = price_fixed(g, two, 1, 2, 4, micro_batch=2, recompute="none")
+    assert slow.iteration_seconds > fast.iteration_seconds
+    # the difference is the boundary transfers at IB instead of NVLink speed, nothing else
+    assert slow.stages[0].seconds_per_microbatch > fast.stages[0].seconds_per_microbatch

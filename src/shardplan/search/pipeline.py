@@ -26,9 +26,13 @@ with C_j a chunk's seconds per microbatch (point-to-point included), D_i = sum o
 and S_i the sum of its chunks' gradient syncs: Narayanan's bubble ``(p - 1) / v`` of a rank's
 microbatch time, exact for equal chunks and the larger of the two readings when the first or last
 chunk also carries the embeddings or head. Activations in flight per rank follow
-``cost.memory.inflight_microbatches("interleaved", ...)``. Known approximations: point-to-point is priced on the lowest level holding two adjacent stage
-groups (a boundary at a node edge inside a pipeline of sub-node stages is under-priced); per-microbatch
-gradient all-reduces of batch splits *inside* a stage's t devices are charged every microbatch.
+``cost.memory.inflight_microbatches("interleaved", ...)``.
+
+Known approximations: point-to-point is priced on the lowest level holding two adjacent stage
+groups, or, when stage groups are smaller than a node but the devices span several nodes, on the
+inter-node level for every boundary (an upper bound: only the boundaries on node edges pay it);
+per-microbatch gradient all-reduces of batch splits *inside* a stage's t devices are charged every
+microbatch.
 """
 
 from __future__ import annotations
@@ -186,13 +190,21 @@ def _layer_act(pricer: _Pricer, part: _Part, t: int, b: int, recompute: str) -> 
     return part.act_out_bytes
 
 
-def _config_arrays(pricer: _Pricer, t: int, d: int, b: int, m: int, opts_list, limit: float):
+def _config_arrays(pricer: _Pricer, t: int, d: int, b: int, m: int, opts_list, limit: float,
+                   devices: int | None = None):
     """(time, sync, max_inflight, static, act) arrays (O, L, L) for one mesh and microbatch."""
     cl = pricer.cluster
     L = len(pricer.layers)
     n0 = t * d
     dp_q = cl.per_level(np.float64(d), np.float64(t))
-    p2p_level = int(cl.level_of_span(2 * n0))
+    # Point-to-point between stage groups of n0 consecutive ranks: on the lowest level holding two of
+    # them; if stage groups are smaller than a node but the pipeline spans several nodes, some
+    # boundary sits on a node edge, and every boundary is priced there (an upper bound: the DP does
+    # not know a stage's position)
+    span = 2 * n0
+    if devices is not None and n0 < cl.devices_per_node < devices:
+        span = max(span, cl.devices_per_node + 1)
+    p2p_level = int(cl.level_of_span(span))
     lv = cl.levels[p2p_level]
     pre, post = pricer.part("pre", 0, t, b), pricer.part("post", 0, t, b)
     parts = [pricer.part("layer", i, t, b) for i in range(L)]
@@ -341,7 +353,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, devices: int | None = None,
         opts_list = option_list(d, zero_levels, recompute)
         max_stages = min(L, N // (t * d))
         min_stages = max_stages if exact_devices else 1
-        arrays = _config_arrays(pricer, t, d, b, m, opts_list, limit)
+        arrays = _config_arrays(pricer, t, d, b, m, opts_list, limit, devices=N)
         time, sync, maxin, static, act = arrays
         if "interleaved" in schedules and (best is None or lb_int < best[0]):
             found = _interleaved(arrays, m, L, max_stages, limit,
@@ -415,7 +427,7 @@ def price_fixed(graph: Graph, cluster: Cluster, t: int, d: int, p: int, micro_ba
                          f"micro-batch {micro_batch}")
     m = B // (d * micro_batch)
     opts = MemoryOptions(zero=zero, recompute=recompute)
-    arrays = _config_arrays(pricer, t, d, micro_batch, m, [opts], limit)
+    arrays = _config_arrays(pricer, t, d, micro_batch, m, [opts], limit, devices=p * t * d)
     time, sync, maxin, static, act = arrays
     if schedule == "interleaved":
         if chunks < 2 or L % (p * chunks):
@@ -478,7 +490,8 @@ def price_pipeline(graph: Graph, cluster: Cluster, plan, memory_limit_bytes: flo
     limit = cluster.device.memory_bytes if memory_limit_bytes is None else memory_limit_bytes
     opts_list = sorted({MemoryOptions(zero=s.zero, recompute=s.recompute) for s in plan.stages},
                        key=lambda o: (o.zero, o.recompute))
-    time, sync, _, static, act = _config_arrays(pricer, t, d, B // (d * m), m, opts_list, limit)
+    time, sync, _, static, act = _config_arrays(pricer, t, d, B // (d * m), m, opts_list, limit,
+                                                devices=plan.devices)
     o = [opts_list.index(MemoryOptions(zero=s.zero, recompute=s.recompute)) for s in plan.stages]
     ct = [float(time[oi, s.layers[0], s.layers[1]]) for oi, s in zip(o, plan.stages)]
     cs = [float(sync[oi, s.layers[0], s.layers[1]]) for oi, s in zip(o, plan.stages)]
