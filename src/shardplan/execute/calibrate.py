@@ -8,11 +8,12 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
 * **convolutions**: a 3x3 convolution (batch 8, 32 -> 64 channels, 16 x 16) forward and backward,
   its FLOP rate over the matmul's written as ``conv_efficiency``;
 * **memory bandwidth**: bytes read plus written by a 64 MB copy per second;
-* **op overhead**: the host-side dispatch one aten call costs however small it is: forward +
-  backward of a tiny captured Llama applied (replicated) with DTensor on the mesh of all ranks, as
-  ``shardplan run`` applies plans, divided by 3 x its exported aten calls (the cost model charges a
-  captured op ``3 x dispatches x op_overhead``). The older probe (a stack of tiny DTensor linear
-  layers, per IR op and pass) is kept in the file's comments;
+* **op overhead**: the host-side cost of one aten call beyond its arithmetic: forward + backward of a
+  small captured Llama (``PROBE``) applied replicated with DTensor on the mesh of all ranks, as
+  ``shardplan run`` applies plans, less the model's own price of its arithmetic and traffic at the
+  rates just measured, divided by 3 x its exported aten calls (the cost model charges a captured op
+  ``3 x dispatches x op_overhead``). A tiny Llama's figure and the older probe (a stack of tiny
+  DTensor linear layers) are kept in the file's comments;
 * **network**: all-reduce times of a small (1 KB) and a large (16 MB) message, issued as the runtime
   issues them (a Partial DTensor redistributed to Replicate: on gloo about twice the raw
   process-group call for small messages; the raw times are kept in the file's comments), fitted to
@@ -99,11 +100,13 @@ def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
     return _median_time(lambda: d.redistribute(mesh, [Replicate()]).to_local(), reps)
 
 
-def _dispatch_overhead(p: int, reps: int) -> tuple[float, int]:
-    """(seconds per exported aten call and pass, calls per forward): a tiny Llama (too small for its
-    arithmetic to matter) captured and applied replicated on all ranks, as ``shardplan run`` applies
-    plans, timed forward + backward and divided by 3 x its exported aten calls (the cost model charges
-    each captured op ``3 x dispatches x op_overhead``; ``cost.analytic``)."""
+def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
+                       probe: dict | None = None) -> tuple[float, int]:
+    """(seconds per exported aten call and pass, calls per forward), from a Llama captured and applied
+    replicated on all ranks, as ``shardplan run`` applies plans: its forward + backward time, less
+    what the cost model charges for its arithmetic and memory traffic at the measured rates (none when
+    they are not given), over 3 x its exported aten calls (the model charges each captured op
+    ``3 x dispatches x op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size."""
     from shardplan.capture import capture
     from shardplan.capture.models import build
     from shardplan.cluster.model import Cluster, Device, Level
@@ -115,15 +118,18 @@ def _dispatch_overhead(p: int, reps: int) -> tuple[float, int]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    module, kwargs = build("llama", batch=2, seq=8, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=64)
+    size = probe or dict(batch=2, seq=8, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    module, kwargs = build("llama", **size)
     module.eval()
     graph = capture(module, (), kwargs, name="llama")
     calls = sum(op.attr("dispatches", 0) for op in graph.ops)
-    any_cluster = Cluster("any", Device("any", 1e12, 1e12, 1e12), (Level("pg", p, 1e9, 1e-6),))
-    tables = build_tables(graph, AnalyticCostModel(any_cluster), p)
-    plan = Plan.from_choice(tables, replicated(tables))
-    pm = apply(module, graph, plan, init_device_mesh("cpu", (p,)))
+    rates = Device("measured", peak_flops or 1e18, 1e12, memory_bandwidth or 1e18)
+    cluster = Cluster("measured", rates, (Level("pg", p, 1e9, 1e-6),))
+    tables = build_tables(graph, AnalyticCostModel(cluster), p)
+    choice = replicated(tables)
+    modelled = tables.cost_of(choice)  # arithmetic and traffic only: op_overhead is 0 here
+    pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))
 
     def step():
         out = pm(**kwargs)
@@ -132,7 +138,13 @@ def _dispatch_overhead(p: int, reps: int) -> tuple[float, int]:
         for q in module.parameters():
             q.grad = None
 
-    return _local_time(step, reps, inner=2) / (3.0 * calls), calls
+    return max(_local_time(step, reps, inner=2) - modelled, 0.0) / (3.0 * calls), calls
+
+
+PROBE = dict(batch=4, seq=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=8, vocab_size=512)
+"""The Llama whose step, less its modelled arithmetic, calibrates the dispatch cost: small enough to be
+dispatch-bound, big enough for realistic tensors (a tiny one reads 4x less per call on this machine)."""
 
 
 def measure(reps: int = 5, n: int = 512) -> dict:
@@ -155,21 +167,24 @@ def measure(reps: int = 5, n: int = 512) -> dict:
     small, large = torch.zeros(256), torch.zeros(4 * 1024 * 1024)
     raw_small = _median_time(lambda: dist.all_reduce(small), reps)
     raw_large = _median_time(lambda: dist.all_reduce(large), reps)
-    t_small, t_large = _dtensor_all_reduce(small, reps), _dtensor_all_reduce(large, reps)
+    # small messages are cheap to repeat and their latency is noisy on shared machines: 4x the reps
+    t_small, t_large = _dtensor_all_reduce(small, 4 * reps), _dtensor_all_reduce(large, reps)
     if p > 1:
         alpha = t_small / (2.0 * (p - 1))
         nbytes = large.numel() * 4
         beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
     else:
         alpha, beta = 0.0, float("inf")
-    overhead, calls = _dispatch_overhead(p, reps)
+    overhead, calls = _dispatch_overhead(p, reps, flops, mem_bw, PROBE)
+    tiny_overhead, _ = _dispatch_overhead(p, reps)
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor([flops, mem_bw, conv_flops])
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             "conv_flops": float(rates[2]), "conv_efficiency": float(rates[2] / rates[0]),
             "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
-            "dispatch_probe_calls": calls, "linear_stack_op_overhead": _op_overhead(p, reps),
+            "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
+            "linear_stack_op_overhead": _op_overhead(p, reps),
             "seconds": {"mm": t_mm, "conv": t_conv, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
                         "process_group_all_reduce_16MB": raw_large}}
