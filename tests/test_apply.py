@@ -32,22 +32,36 @@ from shardplan.search.solve import solve  # noqa: E402
 MODELS = ["torch_mlp", "torch_cnn", "gpt2", "llama", "bert"]
 PLANS = ["data_parallel", "tensor_parallel", "searched", "odd"]
 
+def reference(name):
+    """(module, kwargs, graph, loss, gradients) of one single-device step of a seeded example model."""
+    torch.manual_seed(0)
+    module, kwargs = build(name)
+    module.eval()
+    graph = capture(module, (), kwargs, name=name)
+    result = module(**kwargs)
+    logits = getattr(result, "logits", result)
+    loss = logits.float().pow(2).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    return module, kwargs, graph, loss.item(), grads
+
+
 @pytest.fixture(scope="module")
 def models():
-    out = {}
-    for name in MODELS:
-        torch.manual_seed(0)
-        module, kwargs = build(name)
-        module.eval()
-        graph = capture(module, (), kwargs, name=name)
-        result = module(**kwargs)
-        logits = getattr(result, "logits", result)
-        loss = logits.float().pow(2).mean()
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-        module.zero_grad(set_to_none=True)
-        out[name] = (module, kwargs, graph, loss.item(), grads)
-    return out
+    return {name: reference(name) for name in MODELS}
+
+
+def assert_matches(results, ref_loss, ref_grads):
+    """Every rank's loss and gradients equal the single-device ones (fp32, rtol 1e-5). Some gradients
+    are zero in exact arithmetic (BERT's key bias: softmax ignores a constant shift) and only rounding
+    noise in fp32, so the absolute floor is set by the model's largest."""
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    for loss, grads in results:
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert set(grads) == set(ref_grads)
+        for n, g in grads.items():
+            assert torch.allclose(g, ref_grads[n], rtol=1e-5, atol=1e-6 * scale), n
 
 
 def make_plan(graph, which, devices):
@@ -86,15 +100,7 @@ def test_plan_matches_single_device(models, name, which, devices):
     plan = make_plan(graph, which, devices)
     if which != "searched":
         assert any(op.devices > 1 for op in plan.ops), "the plan must actually split something"
-    results = run_plan(module, kwargs, graph, plan, devices)
-    # Some gradients are zero in exact arithmetic (BERT's key bias: softmax ignores a constant
-    # shift) and only rounding noise in fp32, so the absolute floor is set by the model's largest.
-    scale = max(float(g.abs().max()) for g in ref_grads.values())
-    for loss, grads in results:
-        assert loss == pytest.approx(ref_loss, rel=1e-5)
-        assert set(grads) == set(ref_grads)
-        for n, g in grads.items():
-            assert torch.allclose(g, ref_grads[n], rtol=1e-5, atol=1e-6 * scale), n
+    assert_matches(run_plan(module, kwargs, graph, plan, devices), ref_loss, ref_grads)
 
 
 def test_plan_of_another_model_is_refused(models):
@@ -165,24 +171,13 @@ def _lstm_plan(graph, which, devices):
 def test_lstm_lm_matches_single_device(which, devices):
     """The LSTM runs on each rank's batch shard with its local weights (gradients declared partial over
     the batch split); the embedding and the head split as planned around it."""
-    torch.manual_seed(0)
-    module, kwargs = build("lstm_lm")
-    module.eval()
-    graph = capture(module, (), kwargs, name="lstm_lm")
-    loss = module(**kwargs).float().pow(2).mean()
-    loss.backward()
-    ref = {n: p.grad.clone() for n, p in module.named_parameters()}
-    module.zero_grad(set_to_none=True)
+    module, kwargs, graph, loss, ref = reference("lstm_lm")
+    assert set(ref) == {n for n, _ in module.named_parameters()}
     plan = _lstm_plan(graph, which, devices)
     lstm = next(p for p, op in zip(plan.ops, graph.ops) if op.kind == "lstm")
     if which != "searched":
         assert dict(lstm.split)["batch"] == devices
-    scale = max(float(g.abs().max()) for g in ref.values())
-    for got_loss, grads in run_plan(module, kwargs, graph, plan, devices):
-        assert got_loss == pytest.approx(loss.item(), rel=1e-5)
-        assert set(grads) == set(ref)
-        for n, g in grads.items():
-            assert torch.allclose(g, ref[n], rtol=1e-5, atol=1e-6 * scale), n
+    assert_matches(run_plan(module, kwargs, graph, plan, devices), loss, ref)
 
 
 @pytest.mark.parametrize("devices", [2, 4])
@@ -190,23 +185,11 @@ def test_lstm_lm_matches_single_device(which, devices):
 def test_mixtral_matches_single_device(which, devices):
     """Mixtral's routed-experts blocks run on each rank's batch shard (local weights, gradients partial
     over the batch split); attention and the head around them split as planned."""
-    torch.manual_seed(0)
-    module, kwargs = build("mixtral")
-    module.eval()
-    graph = capture(module, (), kwargs, name="mixtral")
+    module, kwargs, graph, loss, ref = reference("mixtral")
     assert dict(graph.meta)["local_blocks"] == ("model.layers.0.mlp", "model.layers.1.mlp")
-    loss = module(**kwargs).logits.float().pow(2).mean()
-    loss.backward()
-    ref = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-    module.zero_grad(set_to_none=True)
     plan = make_plan(graph, which, devices)
     assert any(op.devices > 1 for op in plan.ops)
     for p, op in zip(plan.ops, graph.ops):  # inside the expert blocks only the batch may be split
         if (op.module or "").startswith(("model.layers.0.mlp", "model.layers.1.mlp")):
             assert all(f == 1 or d.kind.name == "BATCH" for (_, f), d in zip(p.split, op.dims)), op.name
-    scale = max(float(g.abs().max()) for g in ref.values())
-    for got_loss, grads in run_plan(module, kwargs, graph, plan, devices):
-        assert got_loss == pytest.approx(loss.item(), rel=1e-5)
-        assert set(grads) == set(ref)
-        for n, g in grads.items():
-            assert torch.allclose(g, ref[n], rtol=1e-5, atol=1e-6 * scale), n
+    assert_matches(run_plan(module, kwargs, graph, plan, devices), loss, ref)

@@ -1,6 +1,5 @@
 """The rival searches (ILP, FlexFlow's MCMC, OptCNN's reduction) against the exact search and brute force."""
 
-import itertools
 import math
 import time
 
@@ -19,6 +18,7 @@ from shardplan.search.ilp import build_ilp
 from shardplan.search.solve import PlanDoesNotFit, memory_of, solve
 from shardplan.zoo import build_model
 from test_exact_search import random_tables
+from test_solve import constrained_brute_force
 
 REL = 1e-9
 
@@ -108,16 +108,6 @@ def structured(seed: int, kind: str, **kw) -> CostTables:
     pairs = STRUCTURES[kind](rng)
     n = 1 + max(max(p) for p in pairs)
     return tables_on(rng, n, pairs, name=f"{kind}{seed}", **kw)
-
-
-def constrained_brute_force(tables, limit):
-    best, best_cost = None, math.inf
-    for choice in itertools.product(*(range(k) for k in tables.num_configs)):
-        if memory_of(tables, choice) <= limit:
-            c = tables.cost_of(choice)
-            if c < best_cost:
-                best, best_cost = choice, c
-    return best, best_cost
 
 
 def analytic8(name):

@@ -8,6 +8,7 @@ cost tables of a graph and refuses, naming the op, a plan made for a different m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -27,6 +28,17 @@ def _parse_json(text: str, source: str):
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise PlanError(f"{source}: not valid JSON ({exc})") from None
+
+
+@contextlib.contextmanager
+def _fields(source: str, what: str):
+    """Turn a missing or ill-typed field met while reading ``source`` into a PlanError naming it."""
+    try:
+        yield
+    except KeyError as exc:
+        raise PlanError(f"{source}: missing field {exc.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise PlanError(f"{source}: malformed {what} ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -77,20 +89,25 @@ class Plan:
                     optimal, cost if lower_bound is None else lower_bound, method, tables.breakdown(list(choice)),
                     dict(baselines or {}), search_seconds, note)
 
-    def to_choice(self, tables: CostTables) -> list[int]:
-        """Configuration indices of this plan in ``tables``; PlanError if the plan does not match."""
-        graph = tables.graph
+    def check_graph(self, graph) -> None:
+        """PlanError, naming the first op that differs, if this plan was made for another graph."""
         if len(self.ops) != len(graph.ops):
             raise PlanError(f"plan is for {self.model!r} with {len(self.ops)} ops; model {graph.name!r} has "
                             f"{len(graph.ops)} ops")
-        if self.devices != tables.devices:
-            raise PlanError(f"plan is for {self.devices} devices, not {tables.devices}")
-        choice = []
         for i, (p, op) in enumerate(zip(self.ops, graph.ops)):
             dims = tuple(d for d, _ in p.split)
             if p.name != op.name or dims != op.dim_names:
                 raise PlanError(f"plan op {i} is {p.name!r} with dims {dims}; model {graph.name!r} has "
                                 f"{op.name!r} with dims {op.dim_names}")
+
+    def to_choice(self, tables: CostTables) -> list[int]:
+        """Configuration indices of this plan in ``tables``; PlanError if the plan does not match."""
+        graph = tables.graph
+        if len(self.ops) == len(graph.ops) and self.devices != tables.devices:
+            raise PlanError(f"plan is for {self.devices} devices, not {tables.devices}")
+        self.check_graph(graph)
+        choice = []
+        for i, p in enumerate(self.ops):
             try:
                 choice.append(tables.index_of(i, tuple(f for _, f in p.split)))
             except GraphError as exc:
@@ -133,7 +150,7 @@ class Plan:
         if version != SCHEMA_VERSION:
             raise PlanError(f"{source}: schema_version {version!r} is not supported (this shardplan reads "
                             f"version {SCHEMA_VERSION})")
-        try:
+        with _fields(source, "plan"):
             ops = tuple(OpPlan(layer["name"], layer["kind"],
                                tuple((d, int(layer["split"].get(d, 1))) for d in layer["dims"]))
                         for layer in raw["layers"])
@@ -141,10 +158,6 @@ class Plan:
                         ops, float(raw["cost"]), bool(raw["optimal"]), -math.inf if raw["lower_bound"] is None else float(raw["lower_bound"]), raw["method"],
                         dict(raw.get("breakdown", {})), dict(raw.get("baselines", {})),
                         float(raw.get("search_seconds", 0.0)), raw.get("note", ""))
-        except KeyError as exc:
-            raise PlanError(f"{source}: missing field {exc.args[0]!r}") from None
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise PlanError(f"{source}: malformed plan ({exc})") from None
 
     @staticmethod
     def from_json(text: str, source: str = "plan") -> "Plan":
@@ -237,7 +250,7 @@ class PipelinePlan:
         if raw.get("schema_version") != PIPELINE_SCHEMA_VERSION:
             raise PlanError(f"{source}: pipeline schema_version {raw.get('schema_version')!r} is not supported "
                             f"(this shardplan reads version {PIPELINE_SCHEMA_VERSION})")
-        try:
+        with _fields(source, "pipeline plan"):
             stages = tuple(StageRecord((int(s["layers"][0]), int(s["layers"][1])), int(s["data_parallel"]),
                                        int(s["tensor_parallel"]), str(s["recompute"]), int(s["zero"]),
                                        float(s["seconds_per_microbatch"]), float(s["memory_bytes"]))
@@ -247,10 +260,6 @@ class PipelinePlan:
                                 float(raw["bubble_fraction"]), float(raw["peak_memory_bytes"]),
                                 dict(raw.get("baselines", {})), float(raw.get("search_seconds", 0.0)),
                                 raw.get("unit", "seconds"), int(raw.get("chunks", 1)))
-        except KeyError as exc:
-            raise PlanError(f"{source}: missing field {exc.args[0]!r}") from None
-        except (TypeError, ValueError, IndexError) as exc:
-            raise PlanError(f"{source}: malformed pipeline plan ({exc})") from None
 
     @staticmethod
     def from_json(text: str, source: str = "pipeline plan") -> "PipelinePlan":

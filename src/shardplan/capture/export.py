@@ -31,6 +31,7 @@ import torch
 from torch import fx
 
 from shardplan.capture.axes import dim_arg, map_axes, view_limits
+from shardplan.capture.blocks import annotate
 from shardplan.ir.graph import Dim, DimKind, Graph, GraphError, Op, Operand, TensorSpec
 
 
@@ -601,58 +602,4 @@ def capture(module: torch.nn.Module, example_inputs=(), example_kwargs: dict | N
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds; report them in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export failed on {name!r}: {type(exc).__name__}: {first}") from None
-    return _local_blocks(_with_layers(_Capture(ep, name, dtype_bytes).run(), module))
-
-
-def _local_blocks(graph: Graph) -> Graph:
-    """Mixture-of-experts blocks (the module holding routed experts, e.g. Mixtral's ``...mlp``) run as
-    local computations on each rank's batch shard (``execute.apply``): their ops keep every dim but the
-    batch whole, and the graph lists the blocks in ``meta["local_blocks"]``."""
-    import dataclasses
-
-    blocks = sorted({op.module.rsplit(".", 1)[0] for op in graph.ops
-                     if "experts" in op.dim_names and op.module and "." in op.module})
-    if not blocks:
-        return graph
-
-    def inside(op):
-        return op.module is not None and any(op.module == b or op.module.startswith(b + ".") for b in blocks)
-
-    ops = []
-    for op in graph.ops:
-        if inside(op):
-            dims = tuple(dataclasses.replace(d, splittable=d.splittable and d.kind is DimKind.BATCH) for d in op.dims)
-            op = dataclasses.replace(op, dims=dims)
-        ops.append(op)
-    meta = tuple(graph.meta) + (("local_blocks", tuple(blocks)),)
-    return Graph(graph.name, tuple(ops), graph.tensors, meta)
-
-
-def block_list(module: torch.nn.Module) -> str | None:
-    """FQN of the model's repeated blocks: the ``nn.ModuleList`` of at least two children of one type
-    holding the most parameters (``transformer.h``, ``model.layers``, ``encoder.layer``), or None."""
-    best, size = None, 0
-    for fqn, sub in module.named_modules():
-        if isinstance(sub, torch.nn.ModuleList) and len(sub) >= 2 and len({type(c) for c in sub}) == 1:
-            n = sum(p.numel() for p in sub.parameters())
-            if n > size:
-                best, size = fqn, n
-    return best
-
-
-def _with_layers(graph: Graph, module: torch.nn.Module) -> Graph:
-    """Set ``op.layer`` to the block index for ops run inside the repeated blocks (for pipeline stages)."""
-    import dataclasses
-
-    blocks = block_list(module)
-    if blocks is None:
-        return graph
-    prefix = blocks + "."
-    ops = []
-    for op in graph.ops:
-        layer = None
-        if op.module and op.module.startswith(prefix):
-            head = op.module[len(prefix):].split(".", 1)[0]
-            layer = int(head) if head.isdigit() else None
-        ops.append(dataclasses.replace(op, layer=layer))
-    return Graph(graph.name, tuple(ops), graph.tensors, graph.meta)
+    return annotate(_Capture(ep, name, dtype_bytes).run(), module)

@@ -12,8 +12,7 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   small captured Llama (``PROBE``) applied replicated with DTensor on the mesh of all ranks, as
   ``shardplan run`` applies plans, less the model's own price of its arithmetic and traffic at the
   rates just measured, divided by 3 x its exported aten calls (the cost model charges a captured op
-  ``3 x dispatches x op_overhead``). A tiny Llama's figure and the older probe (a stack of tiny
-  DTensor linear layers) are kept in the file's comments;
+  ``3 x dispatches x op_overhead``). A tiny Llama's figure is kept in the file's comments;
 * **network**: all-reduce times of a small (1 KB) and a large (16 MB) message, issued as the runtime
   issues them (a Partial DTensor redistributed to Replicate: on gloo about twice the raw
   process-group call for small messages; the raw times are kept in the file's comments), fitted to
@@ -65,27 +64,6 @@ def _local_time(fn, reps: int, inner: int = 8) -> float:
             fn()
         times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
-
-
-def _op_overhead(p: int, reps: int, layers: int = 16) -> float:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.experimental import implicit_replication
-
-    mesh = init_device_mesh("cpu", (p,))
-    weights = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])) for _ in range(layers)]
-    x = distribute_tensor(torch.randn(2 * p, 8), mesh, [Shard(0)])
-
-    def step():
-        with implicit_replication():
-            h = x
-            for w in weights:
-                h = torch.relu(torch.nn.functional.linear(h, w))
-            h.sum().backward()
-        for w in weights:
-            w.grad = None
-
-    return _median_time(step, reps) / (3.0 * layers)
 
 
 def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
@@ -184,7 +162,6 @@ def measure(reps: int = 5, n: int = 512) -> dict:
             "conv_flops": float(rates[2]), "conv_efficiency": float(rates[2] / rates[0]),
             "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
-            "linear_stack_op_overhead": _op_overhead(p, reps),
             "seconds": {"mm": t_mm, "conv": t_conv, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
                         "process_group_all_reduce_16MB": raw_large}}

@@ -67,8 +67,10 @@ def last_lines(proc: subprocess.CompletedProcess, n: int = 5) -> str:
     return "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-n:])
 
 
-def launch(model: str, config: str, batch: int, seq: int, plan: Plan, steps: int, do_check: bool,
-           timeout_s: float = 600.0) -> dict:
+def launch(model: str, config: str, batch: int, seq: int, plan, steps: int, do_check: bool,
+           timeout_s: float = 600.0, worker: str = "shardplan.execute.worker") -> dict:
+    """torchrun ``worker`` (``shardplan.execute.worker`` for SPMD plans, ``.pipeline_worker`` for
+    pipeline plans) on the plan's devices; rank 0's JSON result with every rank's errors."""
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = os.path.join(tmp, "plan.json")
         out_path = os.path.join(tmp, "result.json")
@@ -76,7 +78,7 @@ def launch(model: str, config: str, batch: int, seq: int, plan: Plan, steps: int
             fh.write(plan.to_json())
         args = ["--model", model, "--config", config or "", "--batch", str(batch), "--seq", str(seq),
                 "--plan", plan_path, "--steps", str(steps), "--out", out_path] + (["--check"] if do_check else [])
-        proc = torchrun(plan.devices, "shardplan.execute.worker", args, timeout_s)
+        proc = torchrun(plan.devices, worker, args, timeout_s)
         if not os.path.exists(out_path):
             raise RuntimeError(f"torchrun exited with {proc.returncode} and no result:\n{last_lines(proc)}")
         with open(out_path) as fh:
@@ -149,21 +151,5 @@ def prepare_pipeline(model: str, config: str, batch: int, seq: int, devices: int
 
 def launch_pipeline(model: str, config: str, batch: int, seq: int, plan, steps: int, do_check: bool,
                     timeout_s: float = 600.0) -> dict:
-    """torchrun ``shardplan.execute.pipeline_worker`` on the plan's devices; its JSON result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_path = os.path.join(tmp, "plan.json")
-        out_path = os.path.join(tmp, "result.json")
-        with open(plan_path, "w") as fh:
-            fh.write(plan.to_json())
-        args = ["--model", model, "--config", config or "", "--batch", str(batch), "--seq", str(seq),
-                "--plan", plan_path, "--steps", str(steps), "--out", out_path] + (["--check"] if do_check else [])
-        proc = torchrun(plan.devices, "shardplan.execute.pipeline_worker", args, timeout_s)
-        if not os.path.exists(out_path):
-            raise RuntimeError(f"torchrun exited with {proc.returncode} and no result:\n{last_lines(proc)}")
-        with open(out_path) as fh:
-            result = json.load(fh)
-        for name in os.listdir(tmp):
-            if name.startswith("result.json.rank"):
-                with open(os.path.join(tmp, name)) as fh:
-                    result["rank_errors"] += json.load(fh).get("rank_errors", [])
-    return result
+    """:func:`launch` of ``shardplan.execute.pipeline_worker`` for a pipeline plan."""
+    return launch(model, config, batch, seq, plan, steps, do_check, timeout_s, "shardplan.execute.pipeline_worker")

@@ -30,22 +30,10 @@ def _loss(out):
     return getattr(out, "logits", out).float().pow(2).mean()
 
 
-def _rel_diff(got: dict, reference: torch.nn.Module, loss: float, loss_ref: float) -> float:
-    """Largest relative difference of the loss and of this rank's gradients (the worker.py rule)."""
-    worst = abs(loss - loss_ref) / max(abs(loss_ref), 1e-30)
-    ref = dict(reference.named_parameters())
-    scale = max(float(p.grad.abs().max()) for p in reference.parameters() if p.grad is not None)
-    for n, g in got.items():
-        r = ref[n].grad
-        diff = (g - r).abs() - 1e-6 * scale
-        worst = max(worst, float((diff.clamp_min(0) / r.abs().clamp_min(1e-6 * scale)).max()))
-    return worst
-
-
 def run_plan(args) -> None:
     import copy
-    import time
 
+    from shardplan.execute.worker import rel_diff, timed_sgd_steps
     from shardplan.plan import PipelinePlan
 
     rank = dist.get_rank()
@@ -63,31 +51,14 @@ def run_plan(args) -> None:
         spec = PipelineSpec.from_plan(plan)
         mesh = init_device_mesh("cpu", spec.mesh_shape(), mesh_dim_names=("pp", "dp", "tp"))
         runner = apply_pipeline(module, spec, mesh, x, _loss)
-        params = [p for _, p in runner.named_parameters()]
-        times = []
-        for step in range(args.steps + 1):  # step 0 is the warm-up
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = runner.step(x)
-            if step == 0 and args.check:
-                first = (loss, {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                                for n, p in runner.named_parameters() if p.grad is not None})
-            with torch.no_grad():
-                for p in params:
-                    if p.grad is not None:
-                        p.add_(p.grad, alpha=-1e-3)
-                        p.grad = None
-            # the slowest rank's step, from a common start; no trailing barrier inside the timing
-            took = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if step:
-                times.append(float(took))
+        times, first = timed_sgd_steps(lambda: runner.step(x), runner.named_parameters, args.steps,
+                                       keep_first=args.check)
         result["measured_step_seconds"] = sorted(times)[len(times) // 2]
         result["step_seconds"] = times
         if args.check:
             loss_ref = _loss(reference(**kwargs))
             loss_ref.backward()
-            worst[0] = _rel_diff(first[1], reference, first[0], loss_ref.item())
+            worst[0] = rel_diff(first[1], reference, first[0], loss_ref.item(), every=False)
     except Exception as exc:  # noqa: BLE001 - reported in the JSON, after the collective below
         ok.zero_()
         result["rank_errors"].append(f"rank {rank}: {type(exc).__name__}: {exc}")

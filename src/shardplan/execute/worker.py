@@ -11,6 +11,7 @@ so gloo never hangs; rank 0 writes the result as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -33,6 +34,55 @@ def _loss(out):
     logits = getattr(out, "logits", out)
     full = logits.full_tensor() if isinstance(logits, DTensor) else logits
     return full.float().pow(2).mean()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def timed_sgd_steps(forward_backward, named_parameters, steps: int, context=contextlib.nullcontext,
+                    keep_first: bool = False):
+    """``steps`` timed SGD steps after one warm-up: ``forward_backward()`` (returns the loss as a
+    float), then ``p -= 1e-3 grad`` for every parameter, both inside ``context()``. A step is timed from
+    a common barrier to the end of the slowest rank's step (no trailing barrier inside the timing).
+    Returns (seconds per timed step, (first loss, first gradients gathered whole) or None)."""
+    times, first = [], None
+    for step in range(steps + 1):  # step 0 is the warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        with context():
+            loss = forward_backward()
+            if step == 0 and keep_first:
+                first = (loss, {n: _full(p.grad).clone() for n, p in named_parameters() if p.grad is not None})
+            with torch.no_grad():
+                for _, p in named_parameters():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-1e-3)
+                        p.grad = None
+        took = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        if step:
+            times.append(float(took))
+    return times, first
+
+
+def rel_diff(grads: dict, reference: torch.nn.Module, loss: float, loss_ref: float, every: bool = True) -> float:
+    """Largest relative difference of ``loss`` and ``grads`` from the reference module's (whose backward
+    has run): entries within 1e-6 of the largest reference gradient count as equal. ``every``: a
+    reference gradient missing from ``grads`` is an infinite difference (False: compare only the
+    gradients given, as a pipeline rank holds only its stages')."""
+    worst = abs(loss - loss_ref) / max(abs(loss_ref), 1e-30)
+    scale = max(float(p.grad.abs().max()) for p in reference.parameters() if p.grad is not None)
+    for n, p in reference.named_parameters():
+        if p.grad is None or (not every and n not in grads):
+            continue
+        g = grads.get(n)
+        if g is None:
+            worst = float("inf")
+            continue
+        diff = (g - p.grad).abs() - 1e-6 * scale
+        worst = max(worst, float((diff.clamp_min(0) / p.grad.abs().clamp_min(1e-6 * scale)).max()))
+    return worst
 
 
 def main(argv=None) -> None:
@@ -60,46 +110,20 @@ def main(argv=None) -> None:
         reference = copy.deepcopy(module) if args.check else None
         mesh = init_device_mesh("cpu", choose_mesh(graph, plan))
         pm = apply(module, graph, plan, mesh)
-        params = [p for p in module.parameters()]
-        times = []
-        first_grads = None
-        for step in range(args.steps + 1):  # step 0 is the warm-up
-            dist.barrier()
-            t0 = time.perf_counter()
-            out = pm(**kwargs)
-            loss = _loss(out)
-            with pm.context():
-                loss.backward()
-                if step == 0 and args.check:
-                    first_loss = loss.item()
-                    first_grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                                   for n, p in module.named_parameters() if p.grad is not None}
-                with torch.no_grad():
-                    for p in params:
-                        if p.grad is not None:
-                            p.add_(p.grad, alpha=-1e-3)
-                            p.grad = None
-            # the slowest rank's step, from a common start; no trailing barrier inside the timing
-            took = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if step:
-                times.append(float(took))
+
+        def forward_backward():
+            loss = _loss(pm(**kwargs))
+            loss.backward()
+            return loss.item()
+
+        times, first = timed_sgd_steps(forward_backward, module.named_parameters, args.steps, pm.context,
+                                       keep_first=args.check)
         result["measured_step_seconds"] = sorted(times)[len(times) // 2]
         result["step_seconds"] = times
         if args.check:
             loss_ref = _loss(reference(**kwargs))
             loss_ref.backward()
-            worst = abs(first_loss - loss_ref.item()) / max(abs(loss_ref.item()), 1e-30)
-            scale = max(float(p.grad.abs().max()) for p in reference.parameters() if p.grad is not None)
-            for n, p in reference.named_parameters():
-                if p.grad is None:
-                    continue
-                g = first_grads.get(n)
-                if g is None:
-                    worst = float("inf")
-                    continue
-                diff = (g - p.grad).abs() - 1e-6 * scale
-                worst = max(worst, float((diff.clamp_min(0) / p.grad.abs().clamp_min(1e-6 * scale)).max()))
+            worst = rel_diff(first[1], reference, first[0], loss_ref.item())
             result["check"] = {"passed": worst <= 1e-5, "max_rel_diff": worst}
     except Exception as exc:  # noqa: BLE001 - reported in the JSON, after the collective below
         ok.zero_()

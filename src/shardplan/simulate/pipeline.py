@@ -114,53 +114,12 @@ def simulate_pipeline(plan: PipelinePlan, cluster: Cluster | None = None, *, p2p
         static = _per(static_bytes, p, "static_bytes")
 
     ranks, r = [], 0
-    for s in stages:
+    for st in stages:
         ranks.append(r)
-        r += s.data_parallel * s.tensor_parallel
-    tg = TaskGraph()
-    F: dict[tuple[int, int], int] = {}
-    B: dict[tuple[int, int], int] = {}
-    for i in range(p):
-        dev = ranks[i]
-        tg.static_bytes[dev] = static[i]
-        lane = (dev, "compute")
-        tg.set_strict(lane)
-        if not overlap:
-            for stream in ("compute", "comm", "p2p"):
-                tg.merge((dev, stream), (dev, "serial"))
-        for what, j in schedule_order(plan.schedule, p, i, m):
-            mem = ((dev, act[i]),) if act[i] else ()
-            if what == "F":
-                F[i, j] = tg.add(f"stage {i} F{j}", T[i] / 3.0, [lane], alloc=mem)
-            else:
-                B[i, j] = tg.add(f"stage {i} B{j}", T[i] - T[i] / 3.0, [lane], free=mem)
-    for i in range(p):
-        for j in range(m):
-            if i + 1 < p:
-                if p2p[i] > 0:
-                    s = tg.add(f"send act {i}->{i + 1} mb{j}", p2p[i], [(ranks[i], "p2p")], [F[i, j]], kind="comm")
-                    tg.add_dep(F[i + 1, j], s)
-                    s = tg.add(f"send grad {i + 1}->{i} mb{j}", p2p[i], [(ranks[i + 1], "p2p")], [B[i + 1, j]],
-                               kind="comm")
-                    tg.add_dep(B[i, j], s)
-                else:
-                    tg.add_dep(F[i + 1, j], F[i, j])
-                    tg.add_dep(B[i, j], B[i + 1, j])
-            else:
-                tg.add_dep(B[i, j], F[i, j])
-    for i in range(p):
-        if sync[i] > 0:  # after the stage's last backward
-            tg.add(f"stage {i} gradient sync", sync[i], [(ranks[i], "comm")], [B[i, j] for j in range(m)],
-                   kind="comm")
-    makespan, events, peaks, bound = tg.run()
-    flush = max(e.end for e in events if e.stream == "compute")
-    busy = sum(T) * m
-    bubble = max(0.0, 1.0 - busy / (p * flush)) if flush > 0 else 0.0
-    rep = {}
-    for i, s in enumerate(stages):
-        for k in range(s.data_parallel * s.tensor_parallel):
-            rep[ranks[i] + k] = ranks[i]
-    return summarise(makespan, events, peaks, rep, bound, bubble_fraction=bubble, kind="pipeline")
+        r += st.data_parallel * st.tensor_parallel
+    orders = [[(what, i, j) for what, j in schedule_order(plan.schedule, p, i, m)] for i in range(p)]
+    widths = [st.data_parallel * st.tensor_parallel for st in stages]
+    return _replay(T, ranks, widths, orders, m, p2p, act, static, sync, overlap, "stage")
 
 
 def _simulate_interleaved(plan: PipelinePlan, *, p2p_seconds=0.0, sync_seconds=None, static_bytes=None,
@@ -192,7 +151,19 @@ def _simulate_interleaved(plan: PipelinePlan, *, p2p_seconds=0.0, sync_seconds=N
     else:
         static = _per(static_bytes, p, "static_bytes")
     width = stages[0].data_parallel * stages[0].tensor_parallel
-    dev = [i * width for i in range(p)]
+    orders = [interleaved_order(p, v, i, m) for i in range(p)]
+    return _replay(T, [i * width for i in range(p)], [width] * p, orders, m, p2p, act, static, sync, overlap,
+                   "chunk")
+
+
+def _replay(T, dev, widths, orders, m: int, p2p, act, static, sync, overlap: bool, label: str) -> SimResult:
+    """Replay a pipeline schedule. Virtual stage s (time ``T[s]`` per microbatch, a third forward)
+    sits on pipeline rank ``s mod p`` (p = ``len(dev)``; device ``dev[i]``, standing for ``widths[i]``
+    devices), whose compute stream runs ``orders[i]`` (("F" | "B", stage, microbatch) triples) strictly
+    in order. Boundary s sends activations forward and gradients back in ``p2p[s]`` seconds (0: a plain
+    dependency), ``act[s]`` bytes per microbatch live from F to B, ``static[i]`` bytes stay resident,
+    and ``sync[i]`` seconds of gradient synchronisation follow rank i's last backward."""
+    p, q = len(dev), len(T)
     tg = TaskGraph()
     F: dict[tuple[int, int], int] = {}
     B: dict[tuple[int, int], int] = {}
@@ -203,12 +174,12 @@ def _simulate_interleaved(plan: PipelinePlan, *, p2p_seconds=0.0, sync_seconds=N
         if not overlap:
             for stream in ("compute", "comm", "p2p"):
                 tg.merge((dev[i], stream), (dev[i], "serial"))
-        for what, st, j in interleaved_order(p, v, i, m):
+        for what, st, j in orders[i]:
             mem = ((dev[i], act[st]),) if act[st] else ()
             if what == "F":
-                F[st, j] = tg.add(f"chunk {st} F{j}", T[st] / 3.0, [lane], alloc=mem)
+                F[st, j] = tg.add(f"{label} {st} F{j}", T[st] / 3.0, [lane], alloc=mem)
             else:
-                B[st, j] = tg.add(f"chunk {st} B{j}", T[st] - T[st] / 3.0, [lane], free=mem)
+                B[st, j] = tg.add(f"{label} {st} B{j}", T[st] - T[st] / 3.0, [lane], free=mem)
     for st in range(q):
         for j in range(m):
             if st + 1 < q:
@@ -225,12 +196,12 @@ def _simulate_interleaved(plan: PipelinePlan, *, p2p_seconds=0.0, sync_seconds=N
             else:
                 tg.add_dep(B[st, j], F[st, j])
     for i in range(p):
-        if sync[i] > 0:
-            tg.add(f"rank {i} gradient sync", sync[i], [(dev[i], "comm")],
+        if sync[i] > 0:  # after the rank's last backward
+            tg.add(f"{'stage' if q == p else 'rank'} {i} gradient sync", sync[i], [(dev[i], "comm")],
                    [B[st, j] for st in range(q) if st % p == i for j in range(m)], kind="comm")
     makespan, events, peaks, bound = tg.run()
     flush = max(e.end for e in events if e.stream == "compute")
     busy = sum(T) * m
     bubble = max(0.0, 1.0 - busy / (p * flush)) if flush > 0 else 0.0
-    rep = {dev[i] + k: dev[i] for i in range(p) for k in range(width)}
+    rep = {dev[i] + k: dev[i] for i in range(p) for k in range(widths[i])}
     return summarise(makespan, events, peaks, rep, bound, bubble_fraction=bubble, kind="pipeline")

@@ -32,7 +32,7 @@ from shardplan.cluster.model import Cluster
 from shardplan.cost.analytic import OPTIMIZER_STATES, AnalyticCostModel
 from shardplan.cost.configs import operand_layouts
 from shardplan.ir.graph import Graph
-from shardplan.plan import Plan, PlanError
+from shardplan.plan import Plan
 from shardplan.simulate.engine import TaskGraph
 from shardplan.simulate.result import SimResult, summarise
 
@@ -258,17 +258,8 @@ def prepare_plan(graph: Graph, model: AnalyticCostModel, plan: Plan) -> Prepared
 
 def plan_configs(graph: Graph, plan: Plan) -> list[np.ndarray]:
     """Each op's configuration in ``plan`` as a (1, n) array; PlanError if the plan is for another graph."""
-    if len(plan.ops) != len(graph.ops):
-        raise PlanError(f"plan is for {plan.model!r} with {len(plan.ops)} ops; graph {graph.name!r} has "
-                        f"{len(graph.ops)} ops")
-    out = []
-    for i, (p, op) in enumerate(zip(plan.ops, graph.ops)):
-        dims = tuple(d for d, _ in p.split)
-        if p.name != op.name or dims != op.dim_names:
-            raise PlanError(f"plan op {i} is {p.name!r} with dims {dims}; graph {graph.name!r} has "
-                            f"{op.name!r} with dims {op.dim_names}")
-        out.append(np.array([[f for _, f in p.split]], dtype=np.int64))
-    return out
+    plan.check_graph(graph)
+    return [np.array([[f for _, f in p.split]], dtype=np.int64) for p in plan.ops]
 
 
 def run_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, optimizer: bool = True) -> SimResult:
