@@ -193,3 +193,29 @@ def test_mixtral_matches_single_device(which, devices):
         if (op.module or "").startswith(("model.layers.0.mlp", "model.layers.1.mlp")):
             assert all(f == 1 or d.kind.name == "BATCH" for (_, f), d in zip(p.split, op.dims)), op.name
     assert_matches(run_plan(module, kwargs, graph, plan, devices), loss, ref)
+
+
+def test_forward_and_backward_in_one_context(models):
+    """As ``shardplan run`` trains: forward and backward inside one ``pm.context()``. The forward enters
+    implicit replication itself; leaving it must not switch it off for the backward (a replicated
+    model with a vocabulary-split head needs it there: the norm weight's gradient meets a plain
+    tensor)."""
+    from shardplan.execute.plans import _config, replicated
+
+    module, kwargs, graph, ref_loss, ref_grads = models["llama"]
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=2)), 2)
+    choice = replicated(tables)
+    head = graph.op_index("lm_head")
+    choice[head] = _config(tables, head, out_features=2)
+    plan = Plan.from_choice(tables, choice)
+
+    def rank_fn(rank):
+        local = copy.deepcopy(module)
+        pm = apply(local, graph, plan, init_device_mesh("cpu", choose_mesh(graph, plan)))
+        with pm.context():
+            loss = pm(**kwargs).logits.full_tensor().float().pow(2).mean()
+            loss.backward()
+        return loss.item(), {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                             for n, p in local.named_parameters() if p.grad is not None}
+
+    assert_matches(run_threaded(2, rank_fn), ref_loss, ref_grads)

@@ -23,13 +23,13 @@ every gradient). Plans the runtime cannot honour are refused before anything run
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication
 
 from shardplan.cluster.mesh import MeshError, OpMesh
 from shardplan.cost.configs import split_limits
@@ -140,6 +140,20 @@ def _to_layout(x, mesh: DeviceMesh, target):
     if tuple(x.placements) != tuple(target):
         x = x.redistribute(mesh, target)
     return x
+
+
+@contextlib.contextmanager
+def implicit_replication():
+    """DTensor's ``implicit_replication`` made re-entrant: torch 2.13's resets the flag to False on exit,
+    so a forward (which enters it) run inside a caller's block would switch it off for the backward
+    that follows in the same block. This one restores the value it found."""
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
 
 
 class ParallelModule(nn.Module):
