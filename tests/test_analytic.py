@@ -279,3 +279,37 @@ def test_calibrated_fields_survive_a_cluster_file_and_convs_use_their_rate():
             assert np.all(b.compute >= a.compute) and np.any(b.compute > 1.5 * a.compute), op.name
         elif op.kind == "fc":
             assert np.allclose(b.compute - a.compute, 3 * 2e-5), op.name  # only the dispatch changed
+
+
+def test_skinny_products_run_at_the_calibrated_curve():
+    """``gemm_efficiency`` by hand: a data-parallel linear whose local batch is 16 (the smallest of
+    m = 16, n = 512, k = 256) runs at the curve's value at 16, interpolated in log m between the points
+    at 8 and 32; the curve survives a cluster file and a bad one names the field."""
+    import dataclasses
+    import math
+
+    from shardplan.cluster.model import ClusterError, gemm_factor
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+
+    curve = ((8.0, 0.4), (32.0, 0.6), (512.0, 1.0))
+    slow = cluster(peak=1e9)  # compute-bound at this rate
+    skinny = dataclasses.replace(slow, device=dataclasses.replace(slow.device, gemm_efficiency=curve))
+    assert gemm_factor(skinny.device, [16.0])[0] == pytest.approx(0.5, rel=1e-12)  # halfway in log m
+    assert gemm_factor(skinny.device, [4.0, 1024.0]).tolist() == [0.4, 1.0]  # the end values hold
+    assert gemm_factor(slow.device, [16.0]).tolist() == [1.0]
+    _, plain, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(slow), 4, "fc", (4, 1, 1))
+    _, curved, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(skinny), 4, "fc", (4, 1, 1))
+    assert plain == pytest.approx(3 * 2 * 64 * 256 * 512 / 4 / 1e9, rel=1e-12)
+    assert curved == pytest.approx(plain / 0.5, rel=1e-12)
+    # a 2-way split leaves m = 32: the curve's point
+    _, two, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(skinny), 2, "fc", (2, 1, 1))
+    assert two == pytest.approx(3 * 2 * 64 * 256 * 512 / 2 / 1e9 / 0.6, rel=1e-12)
+    assert not math.isclose(two, curved)
+    back = cluster_from_dict(cluster_to_dict(skinny))
+    assert back.device.gemm_efficiency == curve
+    with pytest.raises(ClusterError, match="gemm_efficiency"):
+        cluster_from_dict({**cluster_to_dict(skinny), "device": {**cluster_to_dict(skinny)["device"],
+                                                                "gemm_efficiency": [[32, 0.6], [8, 0.4]]}})
+    with pytest.raises(ClusterError, match="gemm_efficiency"):
+        cluster_from_dict({**cluster_to_dict(skinny), "device": {**cluster_to_dict(skinny)["device"],
+                                                                "gemm_efficiency": "fast"}})

@@ -27,15 +27,15 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     """A small VGG-style network (torchvision does not install beside torch 2.13)."""
 
-    def __init__(self, channels: int = 16, classes: int = 10):
+    def __init__(self, channels: int = 16, classes: int = 10, hidden: int = 64):
         super().__init__()
         c = channels
         self.conv1 = nn.Conv2d(3, c, 3, padding=1)
         self.conv2 = nn.Conv2d(c, 2 * c, 3, padding=1)
         self.conv3 = nn.Conv2d(2 * c, 2 * c, 3, padding=1)
         self.pool = nn.MaxPool2d(2)
-        self.fc1 = nn.Linear(2 * c * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, classes)
+        self.fc1 = nn.Linear(2 * c * 4 * 4, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
 
     def forward(self, x):
         x = self.pool(torch.relu(self.conv1(x)))

@@ -76,7 +76,7 @@ def get_cluster(name_or_path: str, nodes: int | None = None, devices: int | None
 
 
 _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memory_bandwidth": float,
-                  "efficiency": float, "op_overhead": float, "conv_efficiency": float}
+                  "efficiency": float, "op_overhead": float, "conv_efficiency": float, "gemm_efficiency": list}
 _LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float}
 
 
@@ -132,6 +132,12 @@ def cluster_from_dict(raw: Any, source: str = "cluster") -> Cluster:
             levels.append(Level(**f))
         except ClusterError as exc:
             raise ClusterError(f"{source}: levels[{i}]: {exc}") from None
+    if "gemm_efficiency" in dev:
+        try:
+            dev["gemm_efficiency"] = tuple((float(m), float(e)) for m, e in dev["gemm_efficiency"])
+        except (TypeError, ValueError):
+            raise ClusterError(f"{source}: device.gemm_efficiency must be a list of [smallest dim, efficiency] "
+                               f"pairs, got {dev['gemm_efficiency']!r}") from None
     try:
         device = Device(**dev)
     except ClusterError as exc:
@@ -164,6 +170,7 @@ def cluster_to_dict(cluster: Cluster) -> dict:
     return {"name": cluster.name,
             "device": {"name": d.name, "peak_flops": d.peak_flops, "memory_bytes": d.memory_bytes,
                        "memory_bandwidth": d.memory_bandwidth, "efficiency": d.efficiency,
-                       "op_overhead": d.op_overhead, "conv_efficiency": d.conv_efficiency},
+                       "op_overhead": d.op_overhead, "conv_efficiency": d.conv_efficiency,
+                       **({"gemm_efficiency": [list(q) for q in d.gemm_efficiency]} if d.gemm_efficiency else {})},
             "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency}
                        for lv in cluster.levels]}

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardplan.cluster.model import Cluster, collective_seconds
+from shardplan.cluster.model import Cluster, collective_seconds, gemm_factor
 from shardplan.cost.configs import ConfigSpace, operand_layouts
 from shardplan.cost.pase import redistribution_words
 from shardplan.cost.tables import NodeCosts
@@ -172,6 +172,8 @@ class AnalyticCostModel:
         factor = 3.0 if op.kind in CONTRACTIONS else 2.0
         flops = 0.0 if op.kind == "embedding" else op.flops  # a lookup is a gather, not a GEMM
         rate = dev.peak_flops * dev.efficiency * (dev.conv_efficiency if op.kind == "conv" else 1.0)
+        if dev.gemm_efficiency and op.kind in ("fc", "einsum"):
+            rate = rate * gemm_factor(dev, self.smallest_gemm_dim(op, c))
         compute = np.maximum(factor * flops / procs / rate,
                              factor * sum(tiles) / dev.memory_bandwidth) + self._dispatch(op, factor)
         # forward is one of the `factor` passes (contractions: 1 GEMM of 3; others: 1 of 2)
@@ -257,6 +259,23 @@ class AnalyticCostModel:
             else:
                 comm += it.seconds
         return NodeCosts(total=compute + comm, compute=compute, comm=comm, memory=memory)
+
+    @staticmethod
+    def smallest_gemm_dim(op: Op, configs: np.ndarray) -> np.ndarray:
+        """Smallest of a matrix product's local (m, n, k) per configuration (K,): for an fc, n is
+        ``out_features``, k ``in_features`` and m every other dim but ``experts``; for an einsum, n is
+        ``cols``, k ``inner`` and m the row dim (batch and heads are a batch of products)."""
+        local = {d.name: d.size / configs[:, i] for i, d in enumerate(op.dims)}
+        if op.kind == "fc":
+            n, k = local.get("out_features", 1.0), local.get("in_features", 1.0)
+            m = np.ones(len(configs))
+            for name, v in local.items():
+                if name not in ("out_features", "in_features", "experts"):
+                    m = m * v
+        else:
+            n, k = local.get("cols", 1.0), local.get("inner", 1.0)
+            m = local.get("seq", local.get("rows", 1.0))
+        return np.minimum(np.minimum(m, n), k) * np.ones(len(configs))
 
     def _dispatch(self, op: Op, factor: float) -> float:
         """Host-side dispatch of ``op`` per step: ``factor`` passes of ``op_overhead`` for a hand-built

@@ -4,7 +4,8 @@
 split by output features, second ones by input features, attention by heads. ``odd`` is data
 parallel plus one unusual split (the LM head's vocabulary, or the CNN's first linear split-K).
 ``replicated`` runs everything everywhere. ``mixed`` is tensor parallel in the MLP blocks and data
-parallel elsewhere.
+parallel elsewhere. ``half_data_parallel`` is data parallel up to the middle op and replicated after
+(one all-gather of the batch between), a plan whose cost lies between the two.
 """
 
 from __future__ import annotations
@@ -80,3 +81,10 @@ def odd(tables: CostTables) -> list[int]:
     else:
         choice[fcs[-1]] = _config(tables, fcs[-1], out_features=p)
     return choice
+
+
+def half_data_parallel(tables: CostTables) -> list[int]:
+    """Data parallel for the first half of the ops (in graph order), replicated for the rest."""
+    dp, rep = list(data_parallel(tables)), replicated(tables)
+    half = len(dp) // 2
+    return dp[:half] + rep[half:]

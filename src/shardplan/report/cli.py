@@ -290,7 +290,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     out = {"model": model_name, "devices": devices, "cluster": cluster.name if cluster else None,
            "cost_model": "analytic" if pipeline else cost_model.name, "predicted_step_seconds": predicted,
-           "measured_step_seconds": result.get("measured_step_seconds"), "steps": args.steps,
+           "measured_step_seconds": result.get("measured_step_seconds"),
+           "best_step_seconds": result.get("best_step_seconds"), "steps": args.steps,
            "step_seconds": result.get("step_seconds"), "ok": result.get("ok"),
            "errors": result.get("rank_errors", []),
            "plan": plan.to_dict()["stages" if pipeline else "layers"]}
@@ -448,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("calibrate", help="measure this machine and the process group; write a cluster file")
     c.add_argument("--devices", type=int, default=2, help="ranks to measure with (default 2)")
     c.add_argument("--out", default="calibrated.yaml", help="cluster file to write")
-    c.add_argument("--reps", type=int, default=5)
+    c.add_argument("--reps", type=int, default=10, help="repetitions per measurement; the fastest is kept")
     k = sub.add_parser("compare", help="every search method on one model: cost model and simulator side by side")
     k.add_argument("--model", required=True, help="a built-in model (see `shardplan models`)")
     k.add_argument("--devices", type=int, default=None)
