@@ -313,3 +313,26 @@ def test_skinny_products_run_at_the_calibrated_curve():
     with pytest.raises(ClusterError, match="gemm_efficiency"):
         cluster_from_dict({**cluster_to_dict(skinny), "device": {**cluster_to_dict(skinny)["device"],
                                                                 "gemm_efficiency": "fast"}})
+
+
+def test_sharded_configurations_pay_the_split_dispatch_cost():
+    """With ``split_op_overhead`` set, a linear run replicated pays 3 op_overhead of dispatch and run
+    split pays 3 split_op_overhead (by hand: the compute difference from the same device without
+    overheads); the field survives a cluster file, and a negative one is refused by name."""
+    import dataclasses
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+
+    base = cluster()
+    dev = dataclasses.replace(base.device, op_overhead=1e-4, split_op_overhead=3e-4)
+    slow = dataclasses.replace(base, device=dev)
+    g = one_linear()
+    for config, per_call in (((1, 1, 1), 1e-4), ((4, 1, 1), 3e-4), ((1, 2, 1), 3e-4)):
+        _, plain, _, _ = costs_of(g, AnalyticCostModel(base), 4, "fc", config)
+        _, paid, _, _ = costs_of(g, AnalyticCostModel(slow), 4, "fc", config)
+        assert paid - plain == pytest.approx(3 * per_call, rel=1e-9), config
+    assert cluster_from_dict(cluster_to_dict(slow)).device.split_op_overhead == 3e-4
+    assert "split_op_overhead" not in cluster_to_dict(base)["device"]
+    with pytest.raises(ClusterError, match="split_op_overhead"):
+        dataclasses.replace(base.device, split_op_overhead=-1.0)

@@ -49,6 +49,10 @@ class Device:
     """A convolution's FLOP rate over a large matmul's (1.0 = the same; measured by ``shardplan
     calibrate``: direct convolution kernels often run well below the GEMM rate on CPUs)."""
 
+    split_op_overhead: float | None = None
+    """``op_overhead`` for an op run sharded (any split factor above 1): DTensor's sharding propagation
+    and bookkeeping on non-replicated placements cost more per call than on replicated ones. None =
+    ``op_overhead``. Measured by ``shardplan calibrate`` on its probe run data parallel."""
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
     """A matrix product's FLOP rate over the large matmul's, by the product's smallest local dimension:
     ``((m_1, e_1), (m_2, e_2), ...)`` with rising ``m``; between points the rate is interpolated in
@@ -70,6 +74,10 @@ class Device:
                 raise ClusterError(f"device.{f} must be a positive number, got {v!r}")
         if not isinstance(self.op_overhead, (int, float)) or self.op_overhead < 0:
             raise ClusterError(f"device.op_overhead must be a non-negative number, got {self.op_overhead!r}")
+        if self.split_op_overhead is not None and (not isinstance(self.split_op_overhead, (int, float))
+                                                   or self.split_op_overhead < 0):
+            raise ClusterError(f"device.split_op_overhead must be a non-negative number, got "
+                               f"{self.split_op_overhead!r}")
         if not isinstance(self.conv_efficiency, (int, float)) or not self.conv_efficiency > 0:
             raise ClusterError(f"device.conv_efficiency must be a positive number, got {self.conv_efficiency!r}")
         if not 0 < self.efficiency <= 1:

@@ -175,7 +175,7 @@ class AnalyticCostModel:
         if dev.gemm_efficiency and op.kind in ("fc", "einsum"):
             rate = rate * gemm_factor(dev, self.smallest_gemm_dim(op, c))
         compute = np.maximum(factor * flops / procs / rate,
-                             factor * sum(tiles) / dev.memory_bandwidth) + self._dispatch(op, factor)
+                             factor * sum(tiles) / dev.memory_bandwidth) + self._dispatch(op, factor, procs)
         # forward is one of the `factor` passes (contractions: 1 GEMM of 3; others: 1 of 2)
         items = [CostItem("compute", "compute", True, compute, compute / factor)]
         n_folded = op.attr("folded_ops", 0)
@@ -277,12 +277,17 @@ class AnalyticCostModel:
             m = local.get("seq", local.get("rows", 1.0))
         return np.minimum(np.minimum(m, n), k) * np.ones(len(configs))
 
-    def _dispatch(self, op: Op, factor: float) -> float:
-        """Host-side dispatch of ``op`` per step: ``factor`` passes of ``op_overhead`` for a hand-built
-        op; for a captured op, ``3 x dispatches x op_overhead`` (every exported aten call the op
-        stands for, its folded ops and views included, once forward and about twice backward)."""
+    def _dispatch(self, op: Op, factor: float, procs: np.ndarray) -> np.ndarray:
+        """Host-side dispatch of ``op`` per step and configuration: ``factor`` passes of ``op_overhead``
+        for a hand-built op; for a captured op, ``3 x dispatches x op_overhead`` (every exported aten
+        call the op stands for, its folded ops and views included, once forward and about twice
+        backward). A configuration that splits the op pays ``split_op_overhead`` per call instead,
+        when the device has one."""
+        dev = self.cluster.device
         d = op.attr("dispatches")
-        return (factor if d is None else 3.0 * d) * self.cluster.device.op_overhead
+        calls = factor if d is None else 3.0 * d
+        split = dev.op_overhead if dev.split_op_overhead is None else dev.split_op_overhead
+        return calls * np.where(procs > 1, split, dev.op_overhead)
 
     def _folded(self, op: Op, procs: np.ndarray) -> np.ndarray | float:
         """The cheap ops capture folded into ``op`` (norms, rotary, activations, casts): each reads and

@@ -15,7 +15,9 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   small captured Llama (``PROBE``) applied replicated with DTensor on the mesh of all ranks, as
   ``shardplan run`` applies plans, less the model's own price of its arithmetic and traffic at the
   rates just measured, divided by 3 x its exported aten calls (the cost model charges a captured op
-  ``3 x dispatches x op_overhead``). A tiny Llama's figure is kept in the file's comments;
+  ``3 x dispatches x op_overhead``). The same probe run data parallel (every op sharded), less its
+  modelled arithmetic and gradient all-reduces, gives ``split_op_overhead``, the per-call cost of a
+  sharded op. A tiny Llama's figure is kept in the file's comments;
 * **network**: all-reduce times of a small (1 KB) and a large (16 MB) message, issued as the runtime
   issues them (a Partial DTensor redistributed to Replicate: on gloo about twice the raw
   process-group call for small messages; the raw times are kept in the file's comments), fitted to
@@ -85,12 +87,16 @@ def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
 
 
 def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
-                       probe: dict | None = None) -> tuple[float, int]:
+                       probe: dict | None = None, sharded: bool = False, latency: float = 1e-6,
+                       bandwidth: float = 1e9, gemm: tuple = ()) -> tuple[float, int]:
     """(seconds per exported aten call and pass, calls per forward), from a Llama captured and applied
     replicated on all ranks, as ``shardplan run`` applies plans: its forward + backward time, less
     what the cost model charges for its arithmetic and memory traffic at the measured rates (none when
     they are not given), over 3 x its exported aten calls (the model charges each captured op
-    ``3 x dispatches x op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size."""
+    ``3 x dispatches x op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size. ``sharded``:
+    the probe runs data parallel (every op split by the batch: the per-call cost of sharded DTensors),
+    and its modelled price includes the gradient all-reduces at the measured ``latency`` (s) and
+    ``bandwidth`` (bytes/s)."""
     from shardplan.capture import capture
     from shardplan.capture.models import build
     from shardplan.cluster.model import Cluster, Device, Level
@@ -98,6 +104,7 @@ def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memor
     from shardplan.cost.tables import build_tables
     from shardplan.execute.apply import apply
     from shardplan.execute.plans import replicated
+    from shardplan.search.baselines import data_parallel
     from shardplan.plan import Plan
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -108,10 +115,10 @@ def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memor
     module.eval()
     graph = capture(module, (), kwargs, name="llama")
     calls = sum(op.attr("dispatches", 0) for op in graph.ops)
-    rates = Device("measured", peak_flops or 1e18, 1e12, memory_bandwidth or 1e18)
-    cluster = Cluster("measured", rates, (Level("pg", p, 1e9, 1e-6),))
+    rates = Device("measured", peak_flops or 1e18, 1e12, memory_bandwidth or 1e18, gemm_efficiency=gemm)
+    cluster = Cluster("measured", rates, (Level("pg", p, bandwidth, latency),))
     tables = build_tables(graph, AnalyticCostModel(cluster), p)
-    choice = replicated(tables)
+    choice = list(data_parallel(tables)) if sharded else replicated(tables)
     modelled = tables.cost_of(choice)  # arithmetic and traffic only: op_overhead is 0 here
     pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))
 
@@ -168,7 +175,10 @@ def measure(reps: int = 10, n: int = 512) -> dict:
         beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
     else:
         alpha, beta = 0.0, float("inf")
-    overhead, calls = _dispatch_overhead(p, reps, flops, mem_bw, PROBE)
+    gemm = tuple((float(m), min(e, 1.0)) for m, e in skinny.items()) + ((float(n), 1.0),)
+    overhead, calls = _dispatch_overhead(p, reps, flops, mem_bw, PROBE, gemm=gemm)
+    split_overhead = (_dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
+                                         bandwidth=beta, gemm=gemm)[0] if p > 1 else overhead)
     tiny_overhead, _ = _dispatch_overhead(p, reps)
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor([flops, mem_bw, conv_flops] + [skinny[m] for m in SKINNY])
@@ -177,6 +187,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             "conv_flops": float(rates[2]), "conv_efficiency": float(rates[2] / rates[0]),
             "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
+            "split_op_overhead": split_overhead,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
             "seconds": {"mm": t_mm, "conv": t_conv, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
@@ -188,7 +199,7 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
             "device": {"name": "cpu-rank", "peak_flops": m["matmul_flops"], "memory_bytes": memory_bytes,
                        "memory_bandwidth": m["memory_bandwidth"], "efficiency": 1.0,
                        "op_overhead": m["op_overhead"], "conv_efficiency": m["conv_efficiency"],
-                       "gemm_efficiency": m["gemm_efficiency"]},
+                       "gemm_efficiency": m["gemm_efficiency"], "split_op_overhead": m["split_op_overhead"]},
             "levels": [{"name": "process group", "fanout": m["world_size"],
                         "bandwidth": m["bandwidth"] if m["bandwidth"] != float("inf") else 1e12,
                         "latency": m["latency"]}]}
