@@ -59,8 +59,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cluster", default=None)
     ap.add_argument("--repeats", type=int, default=1,
-                    help="run every plan this many times, interleaved, and keep each plan's fastest median "
-                         "step (the shared 2-core machine adds up to 25%% of noise from run to run)")
+                    help="run every plan this many times, interleaved with the others, and keep each plan's "
+                         "fastest step (the shared 2-core machine moves a plan's step by up to 40%% between runs)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="fidelity-")
     cluster_file = args.cluster or os.path.join(tmp, "calibrated.yaml")
@@ -83,14 +83,16 @@ def main() -> None:
                  "half_data_parallel": half_data_parallel(tables)}
         pred, meas, medians = [], [], []
         runs: dict[str, list] = {p: [] for p in plans}
+        paths = {}
+        for pname, choice in plans.items():
+            paths[pname] = os.path.join(tmp, f"{name}-{pname}.json")
+            with open(paths[pname], "w") as fh:
+                fh.write(Plan.from_choice(tables, list(choice)).to_json())
         for rep in range(args.repeats):
-            for pname, choice in plans.items():
-                path = os.path.join(tmp, f"{name}-{pname}.json")
-                with open(path, "w") as fh:
-                    fh.write(Plan.from_choice(tables, list(choice)).to_json())
+            for pname in plans:
                 cmd = [sys.executable, "-m", "shardplan.report.cli", "run", "--model", name, "--hf-config", config,
                        "--devices", str(args.devices), "--steps", str(args.steps), "--batch", str(batch), "--seq",
-                       str(seq), "--plan", path, "--cluster", cluster_file, "--json", "-"]
+                       str(seq), "--plan", paths[pname], "--cluster", cluster_file, "--json", "-"]
                 cmd += ["--check"] if rep == 0 else []
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 try:

@@ -187,11 +187,9 @@ def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels
     return total
 
 
-def gemm_factor(device: Device, smallest) -> "np.ndarray":
+def gemm_factor(device: Device, smallest) -> np.ndarray:
     """``device.gemm_efficiency`` at the smallest local dims ``smallest`` (an array): log-linear
     between the measured points, the end values outside them, 1 without points."""
-    import numpy as np
-
     m = np.asarray(smallest, dtype=np.float64)
     if not device.gemm_efficiency:
         return np.ones_like(m)

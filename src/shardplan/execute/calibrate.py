@@ -136,6 +136,12 @@ SKINNY = (8, 32, 128)
 """Row counts m of the (m x 1024) @ (1024 x 1024) products whose FLOP rate over the n-cubed one's gives
 ``device.gemm_efficiency`` (at m = n the curve is 1 by definition)."""
 
+def _curve(efficiencies, n: int) -> tuple[tuple[float, float], ...]:
+    """``Device.gemm_efficiency`` from the ``SKINNY`` products' rates over the n-cubed one's (capped at
+    1), with the point (n, 1) that holds by definition."""
+    return tuple((float(m), min(float(e), 1.0)) for m, e in zip(SKINNY, efficiencies)) + ((float(n), 1.0),)
+
+
 PROBE = dict(batch=4, seq=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=512)
 """The Llama whose step, less its modelled arithmetic, calibrates the dispatch cost: small enough to be
@@ -175,7 +181,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
         beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
     else:
         alpha, beta = 0.0, float("inf")
-    gemm = tuple((float(m), min(e, 1.0)) for m, e in skinny.items()) + ((float(n), 1.0),)
+    gemm = _curve([skinny[m] for m in SKINNY], n)  # this rank's, for the probes' modelled arithmetic
     overhead, calls = _dispatch_overhead(p, reps, flops, mem_bw, PROBE, gemm=gemm)
     split_overhead = (_dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
                                          bandwidth=beta, gemm=gemm)[0] if p > 1 else overhead)
@@ -183,7 +189,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor([flops, mem_bw, conv_flops] + [skinny[m] for m in SKINNY])
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    curve = [[m, min(float(e), 1.0)] for m, e in zip(SKINNY, rates[3:])] + [[n, 1.0]]
+    curve = [list(q) for q in _curve(rates[3:].tolist(), n)]
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             "conv_flops": float(rates[2]), "conv_efficiency": float(rates[2] / rates[0]),
             "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,

@@ -100,8 +100,6 @@ GPT3_BATCH = {"125m": 256, "350m": 256, "760m": 256, "1.3b": 512, "2.7b": 512, "
 530B: MT-NLG's final batch of 1920 sequences (Smith et al. 2022)."""
 
 
-
-
 def _write_json(args, out: dict) -> bool:
     """``--json -`` prints ``out`` and returns True (nothing else is printed); ``--json FILE`` writes it."""
     if args.json == "-":
