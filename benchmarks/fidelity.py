@@ -5,7 +5,10 @@
 Without ``--cluster`` it first runs ``shardplan calibrate`` on the same number of ranks. For one
 transformer (HF Llama, small config) and one CNN, seven plans each (data parallel, tensor parallel,
 the searched plan, an odd split, fully replicated, tensor parallel only in the MLP, data parallel
-for the first half of the ops only) are written as plan files and run with ``shardplan run --check``.
+for the first half of the ops only) are written as plan files and run with ``shardplan run --check``,
+all seven in one launch with their steps interleaved round-robin (``shardplan run --plan A --plan B
+...``), so a slow spell of the shared machine slows every plan alike instead of whichever plan
+happened to be running.
 
 What is compared: the calibration keeps the fastest of its repetitions, and a plan's measured time is
 its fastest step (``best_step_seconds``) over all steps and repeats. Noise on a shared machine is
@@ -13,8 +16,7 @@ one-sided (a neighbour only slows a step down), so best against best is the stab
 median step is printed beside it and Kendall's tau is given for both. Prints predicted and best
 seconds per step, their ratio, the median, whether the numerics matched (checked on the first
 repeat), how far the best step moved between repeats, Kendall's tau between the rankings per model
-and how many predictions fall within 20%. With ``--repeats R`` every plan runs R times, interleaved
-with the others.
+and how many predictions fall within 20%. With ``--repeats R`` the launch runs R times.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cluster", default=None)
     ap.add_argument("--repeats", type=int, default=1,
-                    help="run every plan this many times, interleaved with the others, and keep each plan's "
-                         "fastest step (the shared 2-core machine moves a plan's step by up to 40%% between runs)")
+                    help="launch the interleaved run this many times and keep each plan's fastest step "
+                         "(the shared 2-core machine moves a plan's step by up to 40%% between runs)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="fidelity-")
     cluster_file = args.cluster or os.path.join(tmp, "calibrated.yaml")
@@ -88,17 +90,21 @@ def main() -> None:
             paths[pname] = os.path.join(tmp, f"{name}-{pname}.json")
             with open(paths[pname], "w") as fh:
                 fh.write(Plan.from_choice(tables, list(choice)).to_json())
-        for rep in range(args.repeats):
+        for rep in range(args.repeats):  # one launch per repeat, every plan's steps interleaved in it
+            cmd = [sys.executable, "-m", "shardplan.report.cli", "run", "--model", name, "--hf-config", config,
+                   "--devices", str(args.devices), "--steps", str(args.steps), "--batch", str(batch), "--seq",
+                   str(seq), "--cluster", cluster_file, "--json", "-"]
             for pname in plans:
-                cmd = [sys.executable, "-m", "shardplan.report.cli", "run", "--model", name, "--hf-config", config,
-                       "--devices", str(args.devices), "--steps", str(args.steps), "--batch", str(batch), "--seq",
-                       str(seq), "--plan", paths[pname], "--cluster", cluster_file, "--json", "-"]
-                cmd += ["--check"] if rep == 0 else []
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                try:
-                    runs[pname].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                except (IndexError, json.JSONDecodeError):
-                    print(f"| {name} | {pname} | - | - | - | failed: {proc.stderr.strip().splitlines()[-1:]} |")
+                cmd += ["--plan", paths[pname]]
+            cmd += ["--check"] if rep == 0 else []
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                records = json.loads(proc.stdout.strip().splitlines()[-1])["plans"]
+            except (IndexError, KeyError, json.JSONDecodeError):
+                print(f"| {name} | (all) | - | - | - | failed: {proc.stderr.strip().splitlines()[-1:]} |")
+                continue
+            for pname, rec in zip(plans, records):
+                runs[pname].append(rec)
         for pname, outs in runs.items():
             if not outs:
                 continue

@@ -219,3 +219,36 @@ def test_forward_and_backward_in_one_context(models):
                              for n, p in local.named_parameters() if p.grad is not None}
 
     assert_matches(run_threaded(2, rank_fn), ref_loss, ref_grads)
+
+
+def test_interleaved_steps_take_turns_and_train_each_run(models):
+    """``shardplan run --plan A --plan B``: the worker takes the runs' steps round-robin (the warm-up of
+    every run, then step 1 of every run, ...), times every timed step, and each run's first gradients
+    are its own (two plans of one model from the same weights: both equal to single device)."""
+    from shardplan.execute.worker import _loss, interleaved_sgd_steps
+
+    module, kwargs, graph, ref_loss, ref_grads = models["torch_mlp"]
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=2)), 2)
+    plans = [Plan.from_choice(tables, data_parallel(tables)), Plan.from_choice(tables, tensor_parallel(tables))]
+
+    def rank_fn(rank):
+        order, runs = [], []
+        for i, plan in enumerate(plans):
+            local = copy.deepcopy(module)
+            pm = apply(local, graph, plan, init_device_mesh("cpu", choose_mesh(graph, plan)))
+
+            def fb(pm=pm, i=i):
+                order.append(i)
+                loss = _loss(pm(**kwargs))
+                loss.backward()
+                return loss.item()
+
+            runs.append((fb, local.named_parameters, pm.context))
+        measured = interleaved_sgd_steps(runs, 2, keep_first=True)
+        return order, measured
+
+    for order, measured in run_threaded(2, rank_fn):
+        assert order == [0, 1, 0, 1, 0, 1]
+        for times, (loss, grads) in measured:
+            assert len(times) == 2 and min(times) > 0
+            assert_matches([(loss, grads)], ref_loss, ref_grads)

@@ -25,6 +25,40 @@ def test_run_with_check_on_two_ranks():
     assert len(out["step_seconds"]) == 2
 
 
+def test_several_plans_run_interleaved_in_one_launch(tmp_path):
+    """Two plan files, one launch: a record per plan (in the order given) with its own prediction,
+    its timed steps and its own check against single device."""
+    from shardplan.capture import capture
+    from shardplan.capture.models import build
+    from shardplan.cluster import get_cluster
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.tables import build_tables
+    from shardplan.execute.plans import tensor_parallel
+    from shardplan.plan import Plan
+    from shardplan.search.baselines import data_parallel
+
+    module, kwargs = build("torch_mlp")
+    graph = capture(module, (), kwargs, name="torch_mlp")
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=2)), 2)
+    files = []
+    for name, choice in (("dp", data_parallel(tables)), ("tp", tensor_parallel(tables))):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(Plan.from_choice(tables, list(choice)).to_json())
+    proc = subprocess.run([sys.executable, "-m", "shardplan.report.cli", "run", "--model", "torch_mlp",
+                           "--devices", "2", "--steps", "2", "--check", "--json", "-",
+                           "--plan", str(files[0]), "--plan", str(files[1])],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["interleaved"]
+    assert [r["plan_file"] for r in out["plans"]] == [str(f) for f in files]
+    preds = [r["predicted_step_seconds"] for r in out["plans"]]
+    assert preds[0] != preds[1]  # each plan priced on its own
+    for r in out["plans"]:
+        assert r["check"]["passed"] is True and r["check"]["max_rel_diff"] <= 1e-5
+        assert len(r["step_seconds"]) == 2 and r["best_step_seconds"] == min(r["step_seconds"])
+
+
 def test_plan_of_another_model_is_refused_before_launch(tmp_path, capsys):
     plan = tmp_path / "mlp.json"
     assert main(["plan", "--model", "mlp", "--devices", "2", "--json", str(plan)]) == 0
@@ -32,6 +66,10 @@ def test_plan_of_another_model_is_refused_before_launch(tmp_path, capsys):
     assert main(["run", "--model", "llama", "--devices", "2", "--plan", str(plan)]) == 2
     err = capsys.readouterr().err
     assert "plan is for model 'mlp'" in err and "'llama'" in err
+    # among several plans, the culprit is named by its file
+    assert main(["run", "--model", "llama", "--devices", "2", "--plan", str(plan), "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert str(plan) in err and "plan is for model 'mlp'" in err
 
 
 def test_unknown_or_unrunnable_model_is_refused(capsys):
@@ -52,6 +90,7 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert cluster.device.memory_bandwidth > 1e8
     assert cluster.levels[0].fanout == 2
     assert cluster.levels[0].bandwidth > 0 and cluster.levels[0].latency >= 0
+    assert cluster.device.sync_overhead >= 0
 
 
 def _pipeline_plan(tmp_path, model, config, p, chunks, schedule, t=1, batch=4):

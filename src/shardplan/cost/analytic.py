@@ -213,7 +213,9 @@ class AnalyticCostModel:
                 continue
             q = self.group_levels(configs, strides, missing)
             active = np.any(split[:, missing], axis=1)
-            seconds = np.where(active, collective_seconds(self.cluster, "all_reduce", t, q), 0.0)
+            # a weight gradient's all-reduce overlaps the rest of the backward pass: no sync stall
+            seconds = np.where(active, collective_seconds(self.cluster, "all_reduce", t, q,
+                                                          blocking=not is_param), 0.0)
             if is_output:  # forward partial sums
                 items.append(CostItem("output_allreduce", "comm", True, seconds, seconds, o.tensor))
             elif is_param:  # the weight gradient: overlaps the rest of the backward pass (DDP buckets)
@@ -318,7 +320,8 @@ class AnalyticCostModel:
             level = self.cluster.level_of_span(strides[:, dim] * 2)
             bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]
             lat = np.array([lv.latency for lv in self.cluster.levels])[level]
-            out += np.where(layout[:, axis] > 1, 2.0 * (2 * lat + halo / bw), 0.0)
+            sync = self.cluster.device.sync_overhead
+            out += np.where(layout[:, axis] > 1, 2.0 * (2 * lat + sync + halo / bw), 0.0)
         return out
 
     def _lstm_steps(self, graph: Graph, op: Op, configs, c, strides) -> np.ndarray:
@@ -346,4 +349,5 @@ class AnalyticCostModel:
         level = self.cluster.level_of_span(span)
         bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]
         lat = np.array([lv.latency for lv in self.cluster.levels])[level]
-        return np.where(nbytes > 0, 2.0 * (lat + nbytes / bw), 0.0)
+        sync = self.cluster.device.sync_overhead  # a redistribution blocks the next op (both passes)
+        return np.where(nbytes > 0, 2.0 * (lat + sync + nbytes / bw), 0.0)

@@ -18,6 +18,10 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   ``3 x dispatches x op_overhead``). The same probe run data parallel (every op sharded), less its
   modelled arithmetic and gradient all-reduces, gives ``split_op_overhead``, the per-call cost of a
   sharded op. A tiny Llama's figure is kept in the file's comments;
+* **sync overhead**: what a blocking collective costs between compute phases beyond its isolated
+  time (waiting for the slowest peer, a waiting core slow to resume on a shared machine): rounds of a
+  matrix product and a small all-reduce, less the products alone and the all-reduces alone, per round
+  (``_sync_overhead``); the cost model adds it to every collective on the critical path;
 * **network**: all-reduce times of a small (1 KB) and a large (16 MB) message, issued as the runtime
   issues them (a Partial DTensor redistributed to Replicate: on gloo about twice the raw
   process-group call for small messages; the raw times are kept in the file's comments), fitted to
@@ -84,6 +88,37 @@ def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     d = DTensor.from_local(buf.clone(), mesh, [Partial()])
     return _best_time(lambda: d.redistribute(mesh, [Replicate()]).to_local(), reps)
+
+
+def _sync_overhead(reps: int, segments: int = 24) -> float:
+    """Seconds a blocking collective costs inside a step beyond its isolated time: ``segments`` rounds
+    of one (512 x 256) @ (256 x 1024) product (a few ms on a CPU core, an op's worth of compute)
+    followed by a small all-reduce issued as the runtime issues it, less the same products alone and
+    the same all-reduces back to back, per round. Between compute phases a collective waits for its
+    slowest peer, and a core that idles while waiting is slow to get going again on a shared (virtual)
+    machine; back-to-back collectives in the latency probe see neither."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    d = DTensor.from_local(torch.zeros(256), mesh, [Partial()])
+    x, w = torch.randn(512, 256), torch.randn(256, 1024)
+
+    def compute():
+        for _ in range(segments):
+            torch.mm(x, w)
+
+    def comm():
+        for _ in range(segments):
+            d.redistribute(mesh, [Replicate()]).to_local()
+
+    def both():
+        for _ in range(segments):
+            torch.mm(x, w)
+            d.redistribute(mesh, [Replicate()]).to_local()
+
+    t_both, t_compute, t_comm = _best_time(both, reps), _best_time(compute, reps), _best_time(comm, reps)
+    return max(t_both - t_compute - t_comm, 0.0) / segments
 
 
 def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
@@ -186,6 +221,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     split_overhead = (_dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
                                          bandwidth=beta, gemm=gemm)[0] if p > 1 else overhead)
     tiny_overhead, _ = _dispatch_overhead(p, reps)
+    sync = _sync_overhead(reps) if p > 1 else 0.0
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor([flops, mem_bw, conv_flops] + [skinny[m] for m in SKINNY])
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
@@ -193,7 +229,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             "conv_flops": float(rates[2]), "conv_efficiency": float(rates[2] / rates[0]),
             "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
-            "split_op_overhead": split_overhead,
+            "split_op_overhead": split_overhead, "sync_overhead": sync,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
             "seconds": {"mm": t_mm, "conv": t_conv, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
@@ -205,7 +241,8 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
             "device": {"name": "cpu-rank", "peak_flops": m["matmul_flops"], "memory_bytes": memory_bytes,
                        "memory_bandwidth": m["memory_bandwidth"], "efficiency": 1.0,
                        "op_overhead": m["op_overhead"], "conv_efficiency": m["conv_efficiency"],
-                       "gemm_efficiency": m["gemm_efficiency"], "split_op_overhead": m["split_op_overhead"]},
+                       "gemm_efficiency": m["gemm_efficiency"], "split_op_overhead": m["split_op_overhead"],
+                       "sync_overhead": m.get("sync_overhead", 0.0)},
             "levels": [{"name": "process group", "fanout": m["world_size"],
                         "bandwidth": m["bandwidth"] if m["bandwidth"] != float("inf") else 1e12,
                         "latency": m["latency"]}]}

@@ -70,15 +70,20 @@ def last_lines(proc: subprocess.CompletedProcess, n: int = 5) -> str:
 def launch(model: str, config: str, batch: int, seq: int, plan, steps: int, do_check: bool,
            timeout_s: float = 600.0, worker: str = "shardplan.execute.worker") -> dict:
     """torchrun ``worker`` (``shardplan.execute.worker`` for SPMD plans, ``.pipeline_worker`` for
-    pipeline plans) on the plan's devices; rank 0's JSON result with every rank's errors."""
+    pipeline plans) on the plan's devices; rank 0's JSON result with every rank's errors. ``plan`` may
+    be a list of SPMD plans on the same devices: one launch runs them all, their steps interleaved, and
+    the result holds one entry per plan under ``"plans"``."""
+    plans = list(plan) if isinstance(plan, (list, tuple)) else [plan]
     with tempfile.TemporaryDirectory() as tmp:
-        plan_path = os.path.join(tmp, "plan.json")
         out_path = os.path.join(tmp, "result.json")
-        with open(plan_path, "w") as fh:
-            fh.write(plan.to_json())
         args = ["--model", model, "--config", config or "", "--batch", str(batch), "--seq", str(seq),
-                "--plan", plan_path, "--steps", str(steps), "--out", out_path] + (["--check"] if do_check else [])
-        proc = torchrun(plan.devices, worker, args, timeout_s)
+                "--steps", str(steps), "--out", out_path] + (["--check"] if do_check else [])
+        for i, p in enumerate(plans):
+            plan_path = os.path.join(tmp, f"plan{i}.json")
+            with open(plan_path, "w") as fh:
+                fh.write(p.to_json())
+            args += ["--plan", plan_path]
+        proc = torchrun(plans[0].devices, worker, args, timeout_s)
         if not os.path.exists(out_path):
             raise RuntimeError(f"torchrun exited with {proc.returncode} and no result:\n{last_lines(proc)}")
         with open(out_path) as fh:

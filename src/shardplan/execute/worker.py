@@ -2,7 +2,9 @@
 
 Every rank builds the same model from the same seed, captures it, applies the plan, and runs SGD
 steps on a fixed synthetic batch, timing each step after a warm-up (from a common barrier to the end
-of the slowest rank's step). With ``--check`` each rank also
+of the slowest rank's step). Several ``--plan`` files run in one launch, each on its own copy of the
+model, their steps interleaved round-robin so that they are measured under the same conditions (on a
+shared machine the speed drifts by tens of percent within minutes). With ``--check`` each rank also
 runs the single-device model on the same batch and compares the first step's loss and every
 gradient. All ranks reach the same collectives (an all-reduce of the verdict) even when one fails,
 so gloo never hangs; rank 0 writes the result as JSON.
@@ -40,30 +42,50 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _sgd_step(forward_backward, named_parameters, context, keep: bool):
+    """One SGD step timed from a common barrier to the end of the slowest rank's step: (seconds,
+    (loss, gradients gathered whole) when ``keep``, else None)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    first = None
+    with context():
+        loss = forward_backward()
+        if keep:
+            first = (loss, {n: _full(p.grad).clone() for n, p in named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            for _, p in named_parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-1e-3)
+                    p.grad = None
+    took = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took), first
+
+
+def interleaved_sgd_steps(runs, steps: int, keep_first: bool = False) -> list:
+    """``steps`` timed SGD steps of every run in ``runs`` (``(forward_backward, named_parameters,
+    context)``: ``forward_backward()`` returns the loss as a float, then ``p -= 1e-3 grad`` for every
+    parameter, both inside ``context()``), after one warm-up step each, taken round-robin: step k of
+    every run before step k + 1 of any, so a machine that slows down for a while slows every run
+    alike. Returns, per run, (seconds per timed step, (first loss, first gradients gathered whole)
+    or None)."""
+    times: list[list[float]] = [[] for _ in runs]
+    firsts: list = [None] * len(runs)
+    for step in range(steps + 1):  # step 0 is the warm-up
+        for i, (forward_backward, named_parameters, context) in enumerate(runs):
+            took, first = _sgd_step(forward_backward, named_parameters, context, step == 0 and keep_first)
+            if step:
+                times[i].append(took)
+            else:
+                firsts[i] = first
+    return list(zip(times, firsts))
+
+
 def timed_sgd_steps(forward_backward, named_parameters, steps: int, context=contextlib.nullcontext,
                     keep_first: bool = False):
-    """``steps`` timed SGD steps after one warm-up: ``forward_backward()`` (returns the loss as a
-    float), then ``p -= 1e-3 grad`` for every parameter, both inside ``context()``. A step is timed from
-    a common barrier to the end of the slowest rank's step (no trailing barrier inside the timing).
-    Returns (seconds per timed step, (first loss, first gradients gathered whole) or None)."""
-    times, first = [], None
-    for step in range(steps + 1):  # step 0 is the warm-up
-        dist.barrier()
-        t0 = time.perf_counter()
-        with context():
-            loss = forward_backward()
-            if step == 0 and keep_first:
-                first = (loss, {n: _full(p.grad).clone() for n, p in named_parameters() if p.grad is not None})
-            with torch.no_grad():
-                for _, p in named_parameters():
-                    if p.grad is not None:
-                        p.add_(p.grad, alpha=-1e-3)
-                        p.grad = None
-        took = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        if step:
-            times.append(float(took))
-    return times, first
+    """:func:`interleaved_sgd_steps` of one run: (seconds per timed step, (first loss, first
+    gradients) or None)."""
+    return interleaved_sgd_steps([(forward_backward, named_parameters, context)], steps, keep_first)[0]
 
 
 def rel_diff(grads: dict, reference: torch.nn.Module, loss: float, loss_ref: float, every: bool = True) -> float:
@@ -91,7 +113,8 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default="")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=16)
-    ap.add_argument("--plan", required=True)
+    ap.add_argument("--plan", required=True, action="append",
+                    help="a plan file; several: their steps are interleaved round-robin in one launch")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--out", required=True)
@@ -102,30 +125,41 @@ def main(argv=None) -> None:
     result: dict = {"rank_errors": []}
     ok = torch.ones(1)
     try:
-        torch.manual_seed(0)
-        module, kwargs = build(args.model, batch=args.batch, seq=args.seq, **parse_config(args.config))
-        module.eval()  # no dropout: runs are deterministic
-        graph = capture(module, (), kwargs, name=args.model)
-        plan = Plan.load(args.plan)
-        reference = copy.deepcopy(module) if args.check else None
-        mesh = init_device_mesh("cpu", choose_mesh(graph, plan))
-        pm = apply(module, graph, plan, mesh)
+        runs, modules, reference = [], [], None
+        for path in args.plan:
+            torch.manual_seed(0)  # every plan starts from the same weights as the reference
+            module, kwargs = build(args.model, batch=args.batch, seq=args.seq, **parse_config(args.config))
+            module.eval()  # no dropout: runs are deterministic
+            graph = capture(module, (), kwargs, name=args.model)
+            plan = Plan.load(path)
+            if args.check and reference is None:
+                reference = copy.deepcopy(module)
+            mesh = init_device_mesh("cpu", choose_mesh(graph, plan))
+            pm = apply(module, graph, plan, mesh)
 
-        def forward_backward():
-            loss = _loss(pm(**kwargs))
-            loss.backward()
-            return loss.item()
+            def forward_backward(pm=pm, kwargs=kwargs):
+                loss = _loss(pm(**kwargs))
+                loss.backward()
+                return loss.item()
 
-        times, first = timed_sgd_steps(forward_backward, module.named_parameters, args.steps, pm.context,
-                                       keep_first=args.check)
-        result["measured_step_seconds"] = sorted(times)[len(times) // 2]
-        result["best_step_seconds"] = min(times)
-        result["step_seconds"] = times
+            runs.append((forward_backward, module.named_parameters, pm.context))
+            modules.append(module)
+        measured = interleaved_sgd_steps(runs, args.steps, keep_first=args.check)
         if args.check:
             loss_ref = _loss(reference(**kwargs))
             loss_ref.backward()
-            worst = rel_diff(first[1], reference, first[0], loss_ref.item())
-            result["check"] = {"passed": worst <= 1e-5, "max_rel_diff": worst}
+        per_plan = []
+        for times, first in measured:
+            r = {"measured_step_seconds": sorted(times)[len(times) // 2], "best_step_seconds": min(times),
+                 "step_seconds": times}
+            if args.check:
+                worst = rel_diff(first[1], reference, first[0], loss_ref.item())
+                r["check"] = {"passed": worst <= 1e-5, "max_rel_diff": worst}
+            per_plan.append(r)
+        if len(per_plan) == 1:
+            result.update(per_plan[0])
+        else:
+            result["plans"] = per_plan
     except Exception as exc:  # noqa: BLE001 - reported in the JSON, after the collective below
         ok.zero_()
         result["rank_errors"].append(f"rank {rank}: {type(exc).__name__}: {exc}")

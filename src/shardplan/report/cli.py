@@ -269,16 +269,19 @@ def _run(args: argparse.Namespace) -> int:
     from shardplan.execute.launch import is_pipeline_plan, launch_pipeline, prepare_pipeline
 
     cost_model, cluster, devices = _cost_model(args)
+    files = args.plan or [None]
+    if len(files) > 1:
+        return _run_several(args, model_name, files, cost_model, cluster, devices)
     try:
-        pipeline = args.pipeline or is_pipeline_plan(args.plan)
+        pipeline = args.pipeline or is_pipeline_plan(files[0])
         if pipeline:
             if cluster is None:
                 raise UsageError("pipeline plans are priced by the analytic model: give --cost-model analytic")
             plan, predicted = prepare_pipeline(model_name, args.hf_config, args.batch, args.seq, devices, cluster,
-                                               args.plan)
+                                               files[0])
         else:
             plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model,
-                                      args.plan)
+                                      files[0])
     except (ApplyError, PlanError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -286,28 +289,77 @@ def _run(args: argparse.Namespace) -> int:
         result = go(model_name, args.hf_config, args.batch, args.seq, plan, args.steps, args.check)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
+    out = _run_record(args, model_name, devices, cluster, cost_model.name, plan, predicted, result, pipeline)
+    out["ok"], out["errors"] = result.get("ok"), result.get("rank_errors", [])
+    if not _write_json(args, out):
+        _print_run(args, out, cost_model.name)
+        for e in out["errors"]:
+            print(f"  {e}")
+    if not result.get("ok") or (args.check and not out["check"].get("passed")):
+        return 1
+    return 0
+
+
+def _run_record(args, model_name, devices, cluster, cost_model_name, plan, predicted, result, pipeline=False) -> dict:
+    """The JSON record of one plan's run: prediction, measured step times, check, the plan."""
     out = {"model": model_name, "devices": devices, "cluster": cluster.name if cluster else None,
-           "cost_model": "analytic" if pipeline else cost_model.name, "predicted_step_seconds": predicted,
+           "cost_model": "analytic" if pipeline else cost_model_name, "predicted_step_seconds": predicted,
            "measured_step_seconds": result.get("measured_step_seconds"),
            "best_step_seconds": result.get("best_step_seconds"), "steps": args.steps,
-           "step_seconds": result.get("step_seconds"), "ok": result.get("ok"),
-           "errors": result.get("rank_errors", []),
+           "step_seconds": result.get("step_seconds"),
            "plan": plan.to_dict()["stages" if pipeline else "layers"]}
     if pipeline:
         out.update(kind="pipeline", schedule=plan.schedule, num_microbatches=plan.num_microbatches,
                    chunks=plan.chunks)
     if args.check:
         out["check"] = result.get("check", {"passed": False, "max_rel_diff": None})
+    return out
+
+
+def _print_run(args, out: dict, cost_model_name: str, label: str = "") -> None:
+    print(f"{label}{out['model']} on {out['devices']} ranks: measured {out['measured_step_seconds']} s/step "
+          f"(best {out['best_step_seconds']}), predicted {out['predicted_step_seconds']:.4g} s/step "
+          f"({cost_model_name} on {out['cluster']})")
+    if args.check:
+        c = out["check"]
+        print(f"{label}check against single device: {'passed' if c.get('passed') else 'FAILED'} "
+              f"(max relative difference {c.get('max_rel_diff')})")
+
+
+def _run_several(args, model_name: str, files: list[str], cost_model, cluster, devices: int) -> int:
+    """``shardplan run --plan A --plan B ...``: one launch, the plans' steps interleaved round-robin
+    (each on its own copy of the model), one record per plan under ``"plans"``."""
+    from shardplan.execute.apply import ApplyError
+    from shardplan.execute.launch import is_pipeline_plan, launch, prepare
+    from shardplan.plan import PlanError
+
+    if args.pipeline or any(is_pipeline_plan(f) for f in files):
+        raise UsageError("several --plan files run SPMD plans only; run a pipeline plan on its own")
+    prepared = []
+    for f in files:
+        try:
+            prepared.append(prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model, f))
+        except (ApplyError, PlanError, ValueError) as exc:
+            raise UsageError(f"{f}: {exc}") from None
+    try:
+        result = launch(model_name, args.hf_config, args.batch, args.seq, [p for p, _ in prepared], args.steps,
+                        args.check)
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    per_plan = result.get("plans") or [{} for _ in files]
+    records = []
+    for f, (plan, predicted), r in zip(files, prepared, per_plan):
+        rec = _run_record(args, model_name, devices, cluster, cost_model.name, plan, predicted, r)
+        rec["plan_file"] = f
+        records.append(rec)
+    out = {"model": model_name, "devices": devices, "interleaved": True, "ok": result.get("ok"),
+           "errors": result.get("rank_errors", []), "plans": records}
     if not _write_json(args, out):
-        print(f"{model_name} on {devices} ranks: measured {out['measured_step_seconds']} s/step, predicted "
-              f"{predicted:.4g} s/step ({cost_model.name} on {out['cluster']})")
-        if args.check:
-            c = out["check"]
-            print(f"check against single device: {'passed' if c.get('passed') else 'FAILED'} "
-                  f"(max relative difference {c.get('max_rel_diff')})")
+        for f, rec in zip(files, records):
+            _print_run(args, rec, cost_model.name, label=f"{f}: ")
         for e in out["errors"]:
             print(f"  {e}")
-    if not result.get("ok") or (args.check and not out["check"].get("passed")):
+    if not result.get("ok") or (args.check and not all(r["check"].get("passed") for r in records)):
         return 1
     return 0
 
@@ -436,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--batch", type=int, default=4)
     r.add_argument("--seq", type=int, default=16)
-    r.add_argument("--plan", default=None, help="plan JSON from `shardplan plan --json FILE` (default: search)")
+    r.add_argument("--plan", default=None, action="append",
+                   help="plan JSON from `shardplan plan --json FILE` (default: search); repeat it to run several "
+                        "plans in one launch, their steps interleaved so all see the same machine")
     r.add_argument("--check", action="store_true", help="compare loss and gradients with a single-device run")
     r.add_argument("--pipeline", action="store_true",
                    help="plan and run pipeline stages (torch.distributed.pipelining; a pipeline --plan implies it)")
