@@ -338,39 +338,30 @@ def test_sharded_configurations_pay_the_split_dispatch_cost():
         dataclasses.replace(base.device, split_op_overhead=-1.0)
 
 
-def test_blocking_collectives_pay_the_sync_overhead():
-    """``sync_overhead`` is paid once per collective on the critical path and never by the weight
-    gradient's all-reduce, which overlaps the backward pass (by hand: a linear whose input is a graph
-    input has one blocking collective, the forward all-reduce of a split ``in_features``; data
-    parallel has only the gradient all-reduce). A redistribution pays it in both passes, a group of
-    one never; the field survives a cluster file and a negative one is refused by name."""
+def test_compute_before_a_sync_point_is_stretched():
+    """``sync_stretch`` lengthens an op's compute in each pass that ends in a collective on the critical
+    path, and in no other (by hand: a linear whose input is a graph input has one such collective,
+    the forward all-reduce of a split ``in_features``, so its forward compute, a third of its
+    compute, is stretched; data parallel has only the weight-gradient all-reduce, which overlaps the
+    backward pass, and an ``out_features`` split has no collective at all). The field survives a
+    cluster file and a negative one is refused by name."""
     import dataclasses
 
     from shardplan.cluster.model import ClusterError
     from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
-    from shardplan.ir.graph import TensorSpec
 
     base = cluster()
-    sync = 1e-3
-    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, sync_overhead=sync))
+    rho = 0.25
+    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, sync_stretch=rho))
     g = one_linear()
     names = g.ops[g.op_index("fc")].dim_names
-    for split, syncs in (({}, 0), ({"batch": 4}, 0), ({"in_features": 4}, 1), ({"out_features": 4}, 0)):
+    for split, stretched in (({}, 0.0), ({"batch": 4}, 0.0), ({"in_features": 4}, 1 / 3), ({"out_features": 4}, 0.0)):
         config = tuple(split.get(n, 1) for n in names)
-        _, _, plain, _ = costs_of(g, AnalyticCostModel(base), 4, "fc", config)
-        _, _, paid, _ = costs_of(g, AnalyticCostModel(slow), 4, "fc", config)
-        assert paid - plain == pytest.approx(syncs * sync, abs=1e-12), split
-    q = base.per_level(4, 1)
-    assert collective_seconds(slow, "all_reduce", 1e6, q) - collective_seconds(base, "all_reduce", 1e6, q) \
-        == pytest.approx(sync)
-    assert collective_seconds(slow, "all_reduce", 1e6, q, blocking=False) == collective_seconds(base, "all_reduce",
-                                                                                               1e6, q)
-    assert collective_seconds(slow, "all_reduce", 1e6, base.per_level(1, 1)) == 0.0
-    t = TensorSpec("x", (64, 256))
-    src, dst = np.array([[4, 1]]), np.array([[1, 4], [4, 1]])
-    moved = AnalyticCostModel(slow).edge_costs(g, t, src, dst) - AnalyticCostModel(base).edge_costs(g, t, src, dst)
-    assert moved[0] == pytest.approx([2 * sync, 0.0])
-    assert cluster_from_dict(cluster_to_dict(slow)).device.sync_overhead == sync
-    assert "sync_overhead" not in cluster_to_dict(base)["device"]
-    with pytest.raises(ClusterError, match="sync_overhead"):
-        dataclasses.replace(base.device, sync_overhead=-1.0)
+        _, plain, comm, _ = costs_of(g, AnalyticCostModel(base), 4, "fc", config)
+        _, paid, comm_paid, _ = costs_of(g, AnalyticCostModel(slow), 4, "fc", config)
+        assert paid - plain == pytest.approx(rho * stretched * plain, rel=1e-9, abs=1e-15), split
+        assert comm_paid == comm
+    assert cluster_from_dict(cluster_to_dict(slow)).device.sync_stretch == rho
+    assert "sync_stretch" not in cluster_to_dict(base)["device"]
+    with pytest.raises(ClusterError, match="sync_stretch"):
+        dataclasses.replace(base.device, sync_stretch=-1.0)

@@ -53,11 +53,13 @@ class Device:
     """``op_overhead`` for an op run sharded (any split factor above 1): DTensor's sharding propagation
     and bookkeeping on non-replicated placements cost more per call than on replicated ones. None =
     ``op_overhead``. Measured by ``shardplan calibrate`` on its probe run data parallel."""
-    sync_overhead: float = 0.0
-    """Seconds a collective on the critical path costs beyond its alpha-beta time when it sits between
-    compute phases: ranks wait for their slowest peer, and on a shared (virtual) machine a core that
-    idled while waiting is slow to resume. 0 for the datasheet presets; measured by ``shardplan
-    calibrate``. Collectives that overlap the backward pass (weight-gradient buckets) do not pay it."""
+    sync_stretch: float = 0.0
+    """How much longer an op's compute takes, as a fraction of it, when a collective on the critical
+    path follows it in the same pass: at every such sync point each rank waits for its slowest peer,
+    and the wait grows with the compute since the last one (ranks' speeds jitter independently; on a
+    shared 2-core VM a compute phase of 0.7-15 ms costs 20-30% more between all-reduces than alone).
+    0 for the datasheet presets; measured by ``shardplan calibrate``. Collectives that overlap the
+    backward pass (weight-gradient buckets) are no sync point."""
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
     """A matrix product's FLOP rate over the large matmul's, by the product's smallest local dimension:
     ``((m_1, e_1), (m_2, e_2), ...)`` with rising ``m``; between points the rate is interpolated in
@@ -79,9 +81,9 @@ class Device:
                 raise ClusterError(f"device.{f} must be a positive number, got {v!r}")
         if not isinstance(self.op_overhead, (int, float)) or self.op_overhead < 0:
             raise ClusterError(f"device.op_overhead must be a non-negative number, got {self.op_overhead!r}")
-        if not isinstance(self.sync_overhead, (int, float)) or isinstance(self.sync_overhead, bool) \
-                or self.sync_overhead < 0:
-            raise ClusterError(f"device.sync_overhead must be a non-negative number, got {self.sync_overhead!r}")
+        if not isinstance(self.sync_stretch, (int, float)) or isinstance(self.sync_stretch, bool) \
+                or self.sync_stretch < 0:
+            raise ClusterError(f"device.sync_stretch must be a non-negative number, got {self.sync_stretch!r}")
         if self.split_op_overhead is not None and (not isinstance(self.split_op_overhead, (int, float))
                                                    or self.split_op_overhead < 0):
             raise ClusterError(f"device.split_op_overhead must be a non-negative number, got "
@@ -174,11 +176,8 @@ class Cluster:
         return np.maximum(np.minimum(last, hi) / np.maximum(first, lo), 1.0)
 
 
-def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels: np.ndarray,
-                       blocking: bool = True) -> np.ndarray:
-    """Alpha-beta time of one collective; ``q_levels[..., l]`` members per level (see module doc).
-    ``blocking``: the collective sits on the critical path between compute phases and also pays
-    ``device.sync_overhead`` (False for collectives that overlap compute, such as gradient buckets)."""
+def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels: np.ndarray) -> np.ndarray:
+    """Alpha-beta time of one collective; ``q_levels[..., l]`` members per level (see module doc)."""
     nbytes = np.asarray(nbytes, dtype=np.float64)
     q = np.asarray(q_levels, dtype=np.float64)
     total = np.zeros(np.broadcast_shapes(nbytes.shape, q.shape[:-1]))
@@ -195,8 +194,6 @@ def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels
         else:
             raise ValueError(f"unknown collective {kind!r}")
         remaining = remaining / ql
-    if blocking and cluster.device.sync_overhead:
-        total = total + np.where(total > 0, cluster.device.sync_overhead, 0.0)
     return total
 
 

@@ -213,9 +213,7 @@ class AnalyticCostModel:
                 continue
             q = self.group_levels(configs, strides, missing)
             active = np.any(split[:, missing], axis=1)
-            # a weight gradient's all-reduce overlaps the rest of the backward pass: no sync stall
-            seconds = np.where(active, collective_seconds(self.cluster, "all_reduce", t, q,
-                                                          blocking=not is_param), 0.0)
+            seconds = np.where(active, collective_seconds(self.cluster, "all_reduce", t, q), 0.0)
             if is_output:  # forward partial sums
                 items.append(CostItem("output_allreduce", "comm", True, seconds, seconds, o.tensor))
             elif is_param:  # the weight gradient: overlaps the rest of the backward pass (DDP buckets)
@@ -241,7 +239,23 @@ class AnalyticCostModel:
         if op.kind == "lstm":
             steps = self._lstm_steps(graph, op, configs, c, strides)
             items.append(CostItem("lstm_step_collectives", "comm", True, steps, 0.5 * steps))
+        if dev.sync_stretch:
+            items.append(self._sync_wait(items, len(configs)))
         return items
+
+    def _sync_wait(self, items: list[CostItem], K: int) -> CostItem:
+        """Waiting for the slowest peer at a sync point: ``sync_stretch x`` the op's compute in each pass
+        that ends in a collective on the critical path (the weight-gradient all-reduce is none: it
+        overlaps the rest of the backward pass)."""
+        comm_fwd, comm_bwd, work_fwd, work_bwd = (np.zeros(K) for _ in range(4))
+        for it in items:
+            if it.stream == "comm" and it.critical:
+                comm_fwd, comm_bwd = comm_fwd + it.fwd, comm_bwd + it.bwd
+            elif it.stream == "compute":
+                work_fwd, work_bwd = work_fwd + it.fwd, work_bwd + it.bwd
+        rho = self.cluster.device.sync_stretch
+        fwd = np.where(comm_fwd > 0, rho * work_fwd, 0.0)
+        return CostItem("sync_wait", "compute", True, fwd + np.where(comm_bwd > 0, rho * work_bwd, 0.0), fwd)
 
     def node_costs(self, graph: Graph, op: Op, configs: np.ndarray) -> NodeCosts:
         """Per-configuration compute, comm and memory of ``op``: the sums of ``node_cost_items`` and
@@ -320,8 +334,7 @@ class AnalyticCostModel:
             level = self.cluster.level_of_span(strides[:, dim] * 2)
             bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]
             lat = np.array([lv.latency for lv in self.cluster.levels])[level]
-            sync = self.cluster.device.sync_overhead
-            out += np.where(layout[:, axis] > 1, 2.0 * (2 * lat + sync + halo / bw), 0.0)
+            out += np.where(layout[:, axis] > 1, 2.0 * (2 * lat + halo / bw), 0.0)
         return out
 
     def _lstm_steps(self, graph: Graph, op: Op, configs, c, strides) -> np.ndarray:
@@ -349,5 +362,4 @@ class AnalyticCostModel:
         level = self.cluster.level_of_span(span)
         bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]
         lat = np.array([lv.latency for lv in self.cluster.levels])[level]
-        sync = self.cluster.device.sync_overhead  # a redistribution blocks the next op (both passes)
-        return np.where(nbytes > 0, 2.0 * (lat + sync + nbytes / bw), 0.0)
+        return np.where(nbytes > 0, 2.0 * (lat + nbytes / bw), 0.0)
