@@ -187,6 +187,37 @@ def test_folded_cheap_ops_counted_once_by_hand():
     }
 
 
+def test_pools_are_priced_at_the_pool_rate_by_hand():
+    """torch_cnn's folded pools record their input and output bytes (the same shapes as above), and
+    with a ``pool_bandwidth`` the analytic model charges an op ``pool input / P / pool_bandwidth`` for
+    them in place of their share of the memory-bound traffic (``6 x output / P / memory_bandwidth``)."""
+    import dataclasses
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+
+    m, kw = build("torch_cnn")
+    g = capture(m, (), kw, name="torch_cnn")
+    got = {op.name: (op.attr("folded_pool_input_bytes", 0), op.attr("folded_pool_bytes", 0)) for op in g.ops}
+    assert got == {"conv1": (0, 0), "conv2": (4 * (4 * 16 * 16 * 16), 4 * (4 * 16 * 8 * 8)),
+                   "conv3": (4 * (4 * 32 * 8 * 8), 4 * (4 * 32 * 4 * 4)), "add": (0, 0),
+                   "fc1": (4 * (4 * 32 * 4 * 4), 4 * (4 * 32 * 4 * 4)), "fc2": (0, 0)}
+    base = get_cluster("dgx-a100", devices=2)
+    pool_bw = 1e9
+    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, pool_bandwidth=pool_bw))
+    plain, pooled = (build_tables(g, AnalyticCostModel(c), 2) for c in (base, slow))
+    choice = data_parallel(plain)
+    for i, op in enumerate(g.ops):
+        pin, pout = got[op.name]
+        procs = float(plain.configs[i][choice[i]].prod())
+        expected = (pin / pool_bw - 6 * pout / base.device.memory_bandwidth) / procs
+        diff = float(pooled.nodes[i].compute[choice[i]] - plain.nodes[i].compute[choice[i]])
+        assert diff == pytest.approx(expected, rel=1e-9, abs=1e-15), op.name
+    assert cluster_from_dict(cluster_to_dict(slow)).device.pool_bandwidth == pool_bw
+    with pytest.raises(ClusterError, match="pool_bandwidth"):
+        dataclasses.replace(base.device, pool_bandwidth=0.0)
+
+
 @pytest.mark.parametrize("name", ["torch_cnn", "llama", "gpt2"])
 def test_dispatches_cover_every_exported_call_once(name):
     """Every aten call of the exported program is charged, as a dispatch, to exactly one IR op."""

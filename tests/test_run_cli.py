@@ -91,6 +91,7 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert cluster.levels[0].fanout == 2
     assert cluster.levels[0].bandwidth > 0 and cluster.levels[0].latency >= 0
     assert cluster.device.sync_stretch >= 0
+    assert cluster.device.pool_bandwidth > 0
 
 
 def _pipeline_plan(tmp_path, model, config, p, chunks, schedule, t=1, batch=4):

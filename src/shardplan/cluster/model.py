@@ -53,6 +53,10 @@ class Device:
     """``op_overhead`` for an op run sharded (any split factor above 1): DTensor's sharding propagation
     and bookkeeping on non-replicated placements cost more per call than on replicated ones. None =
     ``op_overhead``. Measured by ``shardplan calibrate`` on its probe run data parallel."""
+    pool_bandwidth: float | None = None
+    """Bytes of input per second a pooling kernel gets through, forward and backward together; None =
+    priced as any memory-bound op (``memory_bandwidth``). Measured by ``shardplan calibrate``: on one
+    CPU core a 2x2 max pool reads about 1 GB/s, a twentieth of the copy bandwidth."""
     sync_stretch: float = 0.0
     """How much longer an op's compute takes, as a fraction of it, when a collective on the critical
     path follows it in the same pass: at every such sync point each rank waits for its slowest peer,
@@ -81,6 +85,9 @@ class Device:
                 raise ClusterError(f"device.{f} must be a positive number, got {v!r}")
         if not isinstance(self.op_overhead, (int, float)) or self.op_overhead < 0:
             raise ClusterError(f"device.op_overhead must be a non-negative number, got {self.op_overhead!r}")
+        if self.pool_bandwidth is not None and (not isinstance(self.pool_bandwidth, (int, float))
+                                                or isinstance(self.pool_bandwidth, bool) or not self.pool_bandwidth > 0):
+            raise ClusterError(f"device.pool_bandwidth must be a positive number, got {self.pool_bandwidth!r}")
         if not isinstance(self.sync_stretch, (int, float)) or isinstance(self.sync_stretch, bool) \
                 or self.sync_stretch < 0:
             raise ClusterError(f"device.sync_stretch must be a non-negative number, got {self.sync_stretch!r}")

@@ -180,10 +180,7 @@ class AnalyticCostModel:
         items = [CostItem("compute", "compute", True, compute, compute / factor)]
         n_folded = op.attr("folded_ops", 0)
         if n_folded:
-            folded = self._folded(op, procs)
-            # forward: one of the three output passes (2 b / P / bw of 6 b) and one of two dispatches
-            per_dispatch = 0.0 if op.attr("dispatches") is not None else dev.op_overhead
-            fwd = 2.0 * op.attr("folded_bytes", 0) / procs / dev.memory_bandwidth + n_folded * per_dispatch
+            folded, fwd = self._folded(op, procs)
             items.append(CostItem("folded", "compute", True, folded, np.minimum(fwd, folded)))
 
         split = c > 1
@@ -305,17 +302,25 @@ class AnalyticCostModel:
         split = dev.op_overhead if dev.split_op_overhead is None else dev.split_op_overhead
         return calls * np.where(procs > 1, split, dev.op_overhead)
 
-    def _folded(self, op: Op, procs: np.ndarray) -> np.ndarray | float:
-        """The cheap ops capture folded into ``op`` (norms, rotary, activations, casts): each reads and
-        writes its output once forward and twice backward (6 x ``folded_bytes`` of traffic, shared by
-        the op's devices), and costs two dispatches (forward and backward) of ``op_overhead`` unless
-        the op counts its ``dispatches`` (then they are in :meth:`_dispatch`)."""
+    def _folded(self, op: Op, procs: np.ndarray) -> tuple:
+        """(seconds, forward seconds) of the cheap ops capture folded into ``op`` (norms, rotary,
+        activations, casts, pools): each reads and writes its output once forward and twice backward
+        (6 x ``folded_bytes`` of traffic, shared by the op's devices; forward 2 of the 6), and costs two
+        dispatches (forward and backward) of ``op_overhead`` unless the op counts its ``dispatches``
+        (then they are in :meth:`_dispatch`). Pooling kernels, when the device has a measured
+        ``pool_bandwidth``, take ``folded_pool_input_bytes / P / pool_bandwidth`` instead (a CPU max
+        pool runs far below the copy bandwidth), a third of it forward."""
         n, nbytes = op.attr("folded_ops", 0), op.attr("folded_bytes", 0)
         if not n:
-            return 0.0
+            return 0.0, 0.0
         dev = self.cluster.device
         per_dispatch = 0.0 if op.attr("dispatches") is not None else dev.op_overhead
-        return 6.0 * nbytes / procs / dev.memory_bandwidth + 2.0 * n * per_dispatch
+        pool = 0.0
+        if dev.pool_bandwidth and op.attr("folded_pool_input_bytes", 0):
+            nbytes = nbytes - op.attr("folded_pool_bytes", 0)
+            pool = op.attr("folded_pool_input_bytes") / procs / dev.pool_bandwidth
+        traffic = nbytes / procs / dev.memory_bandwidth
+        return 6.0 * traffic + 2.0 * n * per_dispatch + pool, 2.0 * traffic + n * per_dispatch + pool / 3.0
 
     def _halo(self, graph: Graph, op: Op, configs, c, strides) -> np.ndarray:
         """Ghost rows of the input from both neighbours, forward and backward, per split spatial dim."""

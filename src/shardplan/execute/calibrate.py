@@ -11,13 +11,19 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
 * **convolutions**: a 3x3 convolution (batch 8, 32 -> 64 channels, 16 x 16) forward and backward,
   its FLOP rate over the matmul's written as ``conv_efficiency``;
 * **memory bandwidth**: bytes read plus written by a 64 MB copy per second;
+* **pooling**: bytes of input per second of a 2x2 max pool's forward + backward on a 2 MB
+  activation (``pool_bandwidth``; on a CPU core far below the copy bandwidth);
 * **op overhead**: the host-side cost of one aten call beyond its arithmetic: forward + backward of a
   small captured Llama (``PROBE``) applied replicated with DTensor on the mesh of all ranks, as
   ``shardplan run`` applies plans, less the model's own price of its arithmetic and traffic at the
   rates just measured, divided by 3 x its exported aten calls (the cost model charges a captured op
   ``3 x dispatches x op_overhead``). The same probe run data parallel (every op sharded), less its
-  modelled arithmetic and gradient all-reduces, gives ``split_op_overhead``, the per-call cost of a
-  sharded op. A tiny Llama's figure is kept in the file's comments;
+  modelled arithmetic and gradient all-reduces, is kept in the file's comments only
+  (``data_parallel_probe_op_overhead``), as is a tiny Llama's figure. It read 0-22 us against
+  23-39 us replicated, but torch.profiler shows DTensor's dispatch costing the same per call on
+  sharded and replicated tensors (about 40 ms per step of the fidelity Llama in either plan): the
+  residual is swamped by the noise of the modelled all-reduces, so sharded ops are priced at
+  ``op_overhead`` too (``Device.split_op_overhead`` unset);
 * **sync stretch**: how much longer compute takes when every phase of it ends at a sync point
   (each rank waits for its slowest peer): rounds of a matrix product and a small all-reduce, less the
   products alone and the all-reduces alone, over the products' time (``_sync_stretch``); the cost
@@ -201,6 +207,12 @@ def measure(reps: int = 10, n: int = 512) -> dict:
 
     t_conv = _local_time(conv_step, reps)
     conv_flops = 3.0 * 2.0 * 8 * 64 * 16 * 16 * 32 * 9 / t_conv  # forward + two backward convolutions
+    pool_in = torch.randn(8, 64, 32, 32, requires_grad=True)  # 2 MB: a CNN's pooled activation
+
+    def pool_step():
+        torch.nn.functional.max_pool2d(pool_in, 2).sum().backward()
+
+    pool_bw = pool_in.numel() * 4 / _local_time(pool_step, reps)
     big = torch.empty(8 * 1024 * 1024)  # 32 MB of fp32
     dst = torch.empty_like(big)
     t_copy = _local_time(lambda: dst.copy_(big), reps)
@@ -223,13 +235,14 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     tiny_overhead, _ = _dispatch_overhead(p, reps)
     stretch = _sync_stretch(reps) if p > 1 else 0.0
     # the slowest rank decides a step: take the minimum rate over ranks
-    rates = torch.tensor([flops, mem_bw, conv_flops] + [skinny[m] for m in SKINNY])
+    rates = torch.tensor([flops, mem_bw, conv_flops, pool_bw] + [skinny[m] for m in SKINNY])
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    curve = [list(q) for q in _curve(rates[3:].tolist(), n)]
+    curve = [list(q) for q in _curve(rates[4:].tolist(), n)]
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             "conv_flops": float(rates[2]), "conv_efficiency": float(rates[2] / rates[0]),
+            "pool_bandwidth": float(rates[3]),
             "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
-            "split_op_overhead": split_overhead, "sync_stretch": stretch,
+            "data_parallel_probe_op_overhead": split_overhead, "sync_stretch": stretch,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
             "seconds": {"mm": t_mm, "conv": t_conv, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
@@ -241,7 +254,7 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
             "device": {"name": "cpu-rank", "peak_flops": m["matmul_flops"], "memory_bytes": memory_bytes,
                        "memory_bandwidth": m["memory_bandwidth"], "efficiency": 1.0,
                        "op_overhead": m["op_overhead"], "conv_efficiency": m["conv_efficiency"],
-                       "gemm_efficiency": m["gemm_efficiency"], "split_op_overhead": m["split_op_overhead"],
+                       "gemm_efficiency": m["gemm_efficiency"], "pool_bandwidth": m["pool_bandwidth"],
                        "sync_stretch": m.get("sync_stretch", 0.0)},
             "levels": [{"name": "process group", "fanout": m["world_size"],
                         "bandwidth": m["bandwidth"] if m["bandwidth"] != float("inf") else 1e12,
