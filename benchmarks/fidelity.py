@@ -1,8 +1,9 @@
 """Predicted vs measured step time of several plans on this machine (prints a table, not a test).
 
-    python benchmarks/fidelity.py [--devices 2] [--steps 5] [--repeats 3] [--cluster FILE]
+    python benchmarks/fidelity.py [--devices 2] [--steps 5] [--repeats 3] [--cluster FILE] [--models llama,torch_cnn]
 
-Without ``--cluster`` it first runs ``shardplan calibrate`` on the same number of ranks. For one
+Without ``--cluster`` it runs ``shardplan calibrate`` on the same number of ranks right before each
+model's launches (the shared machine's speed drifts within minutes). For one
 transformer (HF Llama, small config) and one CNN, seven plans each (data parallel, tensor parallel,
 the searched plan, an odd split, fully replicated, tensor parallel only in the MLP, data parallel
 for the first half of the ops only) are written as plan files and run with ``shardplan run --check``,
@@ -63,18 +64,27 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="launch the interleaved run this many times and keep each plan's fastest step "
                          "(the shared 2-core machine moves a plan's step by up to 40%% between runs)")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     args = ap.parse_args()
+    names = [m for m in args.models.split(",") if m]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model {unknown[0]!r}; expected some of {', '.join(MODELS)}")
     tmp = tempfile.mkdtemp(prefix="fidelity-")
-    cluster_file = args.cluster or os.path.join(tmp, "calibrated.yaml")
-    if not args.cluster:
-        subprocess.run([sys.executable, "-m", "shardplan.report.cli", "calibrate", "--devices",
-                        str(args.devices), "--out", cluster_file], check=True)
-    cluster = load_cluster(cluster_file)
-    model = AnalyticCostModel(cluster)
     print("| model | plan | predicted s | best s | best / predicted | median s | check | spread of best |")
     print("|---|---|---|---|---|---|---|---|")
-    summary = []
-    for name, (config, batch, seq) in MODELS.items():
+    summary, calibrations = [], []
+    for name in names:
+        config, batch, seq = MODELS[name]
+        # calibrate right before each model's launches: the shared machine's speed drifts within minutes
+        cluster_file = args.cluster or os.path.join(tmp, f"calibrated-{name}.yaml")
+        if not args.cluster:
+            cal = subprocess.run([sys.executable, "-m", "shardplan.report.cli", "calibrate", "--devices",
+                                  str(args.devices), "--out", cluster_file], capture_output=True, text=True)
+            if cal.returncode:
+                sys.exit(f"shardplan calibrate failed: {cal.stderr.strip()[-500:]}")
+            calibrations.append(f"{name}: {cal.stdout.strip().splitlines()[-1]}")
+        model = AnalyticCostModel(load_cluster(cluster_file))
         kw = parse_config(config)
         module, kwargs = build(name, batch=batch, seq=seq, **kw)
         graph = capture(module, (), kwargs, name=name)
@@ -120,6 +130,8 @@ def main() -> None:
                   f"{'passed' if ok else 'FAILED'} | {100 * spread:.0f}% |", flush=True)
         within = sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, meas))
         summary.append((name, kendall_tau(pred, meas), kendall_tau(pred, medians), within, len(pred)))
+    for line in calibrations:
+        print(line)
     for name, tau, tau_med, within, n in summary:
         print(f"{name}: Kendall tau over {n} plans = {tau:.2f} on best steps ({tau_med:.2f} on medians); "
               f"{within} of {n} predictions within 20% of the best step")

@@ -365,3 +365,31 @@ def test_compute_before_a_sync_point_is_stretched():
     assert "sync_stretch" not in cluster_to_dict(base)["device"]
     with pytest.raises(ClusterError, match="sync_stretch"):
         dataclasses.replace(base.device, sync_stretch=-1.0)
+
+
+def test_bias_gradient_is_whole_under_a_reduction_split():
+    """A bias is added to the reduced product, so splitting ``in_features`` leaves its gradient whole
+    on every device (as DTensor computes it: Replicate, no collective); a batch split still makes it
+    partial. By hand, on 4 devices of one node: with a bias, the in_features split pays only the
+    forward all-reduce of the output, exactly as without one; the batch split pays the weight's and
+    the bias's gradient all-reduces."""
+    from shardplan.ir.builder import GraphBuilder
+
+    def linear(bias):
+        b = GraphBuilder("lin")
+        x = b.input("x", (64, 256), ("batch", "features"))
+        b.linear(x, 512, bias=bias, name="fc")
+        return b.build()
+
+    c = cluster()
+    model = AnalyticCostModel(c)
+    names = linear(True).ops[0].dim_names
+    k_split = tuple(4 if n == "in_features" else 1 for n in names)
+    b_split = tuple(4 if n == "batch" else 1 for n in names)
+    _, _, with_bias, _ = costs_of(linear(True), model, 4, "fc", k_split)
+    _, _, without, _ = costs_of(linear(False), model, 4, "fc", k_split)
+    assert with_bias == pytest.approx(without, rel=1e-12)
+    assert without == pytest.approx(float(collective_seconds(c, "all_reduce", 4 * 64 * 512, c.per_level(4, 1))))
+    _, _, dp_bias, _ = costs_of(linear(True), model, 4, "fc", b_split)
+    _, _, dp, _ = costs_of(linear(False), model, 4, "fc", b_split)
+    assert dp_bias - dp == pytest.approx(float(collective_seconds(c, "all_reduce", 4 * 512, c.per_level(4, 1))))

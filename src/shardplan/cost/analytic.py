@@ -206,6 +206,10 @@ class AnalyticCostModel:
                 # its own gradient is partial only over the split dims of that input (the batch)
                 seen = set(acts[0].dims())
                 missing = [i for i, n in enumerate(op.dim_names) if n in seen]
+            elif is_param and not any(op.dims[op.dim_index(n)].kind is DimKind.REDUCTION for n in present):
+                # a parameter outside the contraction (a bias: added to the reduced result) has a
+                # whole gradient on every device of a reduction split; only other splits make it partial
+                missing = [i for i in missing if op.dims[i].kind is not DimKind.REDUCTION]
             if not missing:
                 continue
             q = self.group_levels(configs, strides, missing)
