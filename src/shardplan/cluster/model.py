@@ -50,9 +50,9 @@ class Device:
     calibrate``: direct convolution kernels often run well below the GEMM rate on CPUs)."""
 
     split_op_overhead: float | None = None
-    """``op_overhead`` for an op run sharded (any split factor above 1): DTensor's sharding propagation
-    and bookkeeping on non-replicated placements cost more per call than on replicated ones. None =
-    ``op_overhead``. Measured by ``shardplan calibrate`` on its probe run data parallel."""
+    """``op_overhead`` for an op run sharded (any split factor above 1), for a runtime whose dispatch
+    costs more on non-replicated placements. None = ``op_overhead``. ``shardplan calibrate`` leaves it
+    unset: on torch 2.13 DTensor the profiler shows the same cost per call sharded or replicated."""
     pool_bandwidth: float | None = None
     """Bytes of input per second a pooling kernel gets through, forward and backward together; None =
     priced as any memory-bound op (``memory_bandwidth``). Measured by ``shardplan calibrate``: on one
