@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from shardplan.cluster.mesh import MeshError, OpMesh
 from shardplan.cost.configs import split_limits
-from shardplan.ir.graph import Graph, Op, Operand
+from shardplan.ir.graph import Graph, Operand
 from shardplan.plan import Plan, PlanError
 
 

@@ -92,7 +92,7 @@ def main(argv=None) -> None:
         run_plan(args)
         dist.destroy_process_group()
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     with open(args.cases) as fh:
         cases = json.load(fh)
     for k, case in enumerate(cases):

@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 import time as _time
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -49,7 +48,7 @@ from shardplan.cost.analytic import AnalyticCostModel
 from shardplan.cost.configs import divisors, operand_layouts
 from shardplan.cost.memory import RECOMPUTE, MemoryOptions, model_state_bytes, transformer_layer_activation_bytes
 from shardplan.cost.tables import build_tables
-from shardplan.ir.graph import DimKind, Dim, Graph, GraphError, Op, Operand, TensorSpec
+from shardplan.ir.graph import DimKind, Dim, Graph, GraphError, Op, TensorSpec
 from shardplan.plan import StageRecord
 from shardplan.search.solve import GIB, PlanDoesNotFit, solve
 from shardplan.search.stage_dp import min_peak_memory, stage_dp
