@@ -393,3 +393,63 @@ def test_bias_gradient_is_whole_under_a_reduction_split():
     _, _, dp_bias, _ = costs_of(linear(True), model, 4, "fc", b_split)
     _, _, dp, _ = costs_of(linear(False), model, 4, "fc", b_split)
     assert dp_bias - dp == pytest.approx(float(collective_seconds(c, "all_reduce", 4 * 512, c.per_level(4, 1))))
+
+
+def _moe_graph(batch=8, seq=16, features=64, experts=4, ffn=128, top_k=2, kept=12345):
+    """A producer (elementwise) feeding one fused mixture-of-experts op, as ``capture.moe`` builds it."""
+    from shardplan.ir.graph import Dim, DimKind, Graph, Op, Operand, TensorSpec
+
+    bsf = (("batch",), ("seq",), ("features",))
+    tokens = batch * seq
+    tensors = (TensorSpec("x", (batch, seq, features)), TensorSpec("h", (batch, seq, features)),
+               TensorSpec("router", (experts, features), is_param=True),
+               TensorSpec("w_in", (experts, features, 2 * ffn), is_param=True),
+               TensorSpec("w_out", (experts, ffn, features), is_param=True),
+               TensorSpec("y", (tokens, features)))
+    pre = Op("pre", "elementwise", (Dim("batch", batch, DimKind.BATCH), Dim("seq", seq, DimKind.SEQUENCE),
+                                    Dim("features", features)),
+             (Operand("x", bsf),), (Operand("h", bsf),), flops=float(tokens * features), attrs=(("pw_ops", 1),))
+    grouped = 2.0 * tokens * top_k * features * 2 * ffn + 2.0 * tokens * top_k * ffn * features
+    moe = Op("mlp", "moe", (Dim("batch", batch, DimKind.BATCH), Dim("seq", seq, DimKind.SEQUENCE, splittable=False),
+                            Dim("experts", experts, DimKind.PARALLEL), Dim("features", features, splittable=False)),
+             (Operand("h", bsf), Operand("router", ((), ("features",))),
+              Operand("w_in", (("experts",), (), ())), Operand("w_out", (("experts",), (), ()))),
+             (Operand("y", (("batch", "seq"), ("features",))),),
+             flops=grouped + 2.0 * tokens * features * experts,
+             attrs=tuple(sorted({"ffn": ffn, "top_k": top_k, "grouped_flops": grouped, "kept_bytes": kept}.items())),
+             module="mlp")
+    return Graph("moe", (pre, moe), tensors)
+
+
+def test_expert_parallel_moe_by_hand():
+    """4 experts over 4 devices of one node: each device keeps one expert's weights; the output (every
+    token's partial sum over the local experts) is all-reduced, as is the gradient of the block's input
+    (each device back-propagates through its own experts) and the replicated router's; the experts'
+    own gradients need no collective."""
+    c = cluster()
+    g = _moe_graph()
+    model = AnalyticCostModel(c)
+    q = c.per_level(4, 1)
+    f32 = 4
+    _, _, comm, memory = costs_of(g, model, 4, "mlp", (1, 1, 4, 1))
+    out, h, router = f32 * 128 * 64, f32 * 128 * 64, f32 * 4 * 64
+    want = sum(float(collective_seconds(c, "all_reduce", n, q)) for n in (out, h, router))
+    assert comm == pytest.approx(want, rel=1e-12)
+    w_in, w_out = f32 * 4 * 64 * 256, f32 * 4 * 128 * 64
+    experts = w_in + w_out
+    # weights, gradients and two Adam moments: the router whole, a quarter of the experts; the output
+    # and a quarter of the block's inner activations kept for the backward pass
+    assert memory == pytest.approx(4 * router + 4 * experts / 4 + out + 12345 / 4, rel=1e-12)
+    # pure data parallelism: every weight's gradient all-reduced, no output or input-grad collective
+    _, _, dp_comm, dp_memory = costs_of(g, model, 4, "mlp", (4, 1, 1, 1))
+    assert dp_comm == pytest.approx(sum(float(collective_seconds(c, "all_reduce", n, q))
+                                        for n in (router, w_in, w_out)), rel=1e-12)
+    assert dp_memory == pytest.approx(4 * router + 4 * experts + out / 4 + 12345 / 4, rel=1e-12)
+    # 2 (batch) x 2 (experts): the experts' gradients reduced over the batch pair only, the output
+    # half-tiles over the experts pair, the router over all four
+    _, _, hy_comm, _ = costs_of(g, model, 4, "mlp", (2, 1, 2, 1))
+    pair_e, pair_b = c.per_level(2, 1), c.per_level(2, 2)
+    want = (float(collective_seconds(c, "all_reduce", out / 2, pair_e)) + float(collective_seconds(c, "all_reduce", h / 2, pair_e))
+            + float(collective_seconds(c, "all_reduce", router, q))
+            + sum(float(collective_seconds(c, "all_reduce", n / 2, pair_b)) for n in (w_in, w_out)))
+    assert hy_comm == pytest.approx(want, rel=1e-12)

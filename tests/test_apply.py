@@ -25,7 +25,7 @@ from shardplan.execute import ApplyError, apply  # noqa: E402
 from shardplan.execute.apply import choose_mesh  # noqa: E402
 from shardplan.execute.threaded import run_threaded  # noqa: E402
 from shardplan.plan import Plan  # noqa: E402
-from shardplan.execute.plans import odd, tensor_parallel  # noqa: E402
+from shardplan.execute.plans import expert_parallel, odd, tensor_parallel  # noqa: E402
 from shardplan.search.baselines import data_parallel  # noqa: E402
 from shardplan.search.solve import solve  # noqa: E402
 
@@ -180,19 +180,73 @@ def test_lstm_lm_matches_single_device(which, devices):
     assert_matches(run_plan(module, kwargs, graph, plan, devices), loss, ref)
 
 
+def _mixtral_plan(graph, which, devices):
+    if which != "expert_parallel":
+        return make_plan(graph, which, devices)
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=devices)), devices)
+    return Plan.from_choice(tables, expert_parallel(tables))
+
+
 @pytest.mark.parametrize("devices", [2, 4])
-@pytest.mark.parametrize("which", ["data_parallel", "tensor_parallel", "odd"])
+@pytest.mark.parametrize("which", ["data_parallel", "tensor_parallel", "odd", "expert_parallel"])
 def test_mixtral_matches_single_device(which, devices):
-    """Mixtral's routed-experts blocks run on each rank's batch shard (local weights, gradients partial
-    over the batch split); attention and the head around them split as planned."""
+    """Each of Mixtral's routed-experts blocks is one fused op run on each rank's batch shard (local
+    weights, gradients partial over the batch split); attention and the head around it split as
+    planned. Under expert parallelism each rank holds and runs its own experts (2 of 4 on 2 ranks,
+    1 of 4 on 4) for the gathered tokens, and the partial outputs are summed."""
     module, kwargs, graph, loss, ref = reference("mixtral")
-    assert dict(graph.meta)["local_blocks"] == ("model.layers.0.mlp", "model.layers.1.mlp")
-    plan = make_plan(graph, which, devices)
+    blocks = ("model.layers.0.mlp", "model.layers.1.mlp")
+    assert dict(graph.meta)["local_blocks"] == blocks
+    assert [op.kind for op in graph.ops if op.name in blocks] == ["moe", "moe"]
+    plan = _mixtral_plan(graph, which, devices)
     assert any(op.devices > 1 for op in plan.ops)
-    for p, op in zip(plan.ops, graph.ops):  # inside the expert blocks only the batch may be split
-        if (op.module or "").startswith(("model.layers.0.mlp", "model.layers.1.mlp")):
-            assert all(f == 1 or d.kind.name == "BATCH" for (_, f), d in zip(p.split, op.dims)), op.name
+    for p, op in zip(plan.ops, graph.ops):  # inside the expert blocks only the batch and the experts split
+        if op.name in blocks:
+            split = dict(p.split)
+            assert all(f == 1 for d, f in split.items() if d not in ("batch", "experts")), op.name
+            assert (split["experts"] == devices) == (which == "expert_parallel"), (op.name, split)
     assert_matches(run_plan(module, kwargs, graph, plan, devices), loss, ref)
+
+
+def test_expert_and_data_parallel_hybrid_holds_a_share_of_the_experts():
+    """4 ranks as 2 (batch) x 2 (experts): each rank keeps 2 of the 4 experts and their gradients
+    stay sharded over the experts axis (a sum still pending over the batch axis, as any data-parallel
+    gradient of a local block); the router's weight is replicated. Loss and gradients equal single
+    device."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    module, kwargs, graph, loss, ref = reference("mixtral")
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=4)), 4)
+    choice = data_parallel(tables)
+    for i, op in enumerate(graph.ops):
+        if op.kind == "moe":
+            choice[i] = tables.index_of(i, tuple({"batch": 2, "experts": 2}.get(d.name, 1) for d in op.dims))
+    plan = Plan.from_choice(tables, list(choice))
+    shape = choose_mesh(graph, plan)
+    seen = {}
+
+    def rank_fn(rank):
+        local = copy.deepcopy(module)
+        pm = apply(local, graph, plan, init_device_mesh("cpu", shape))
+        experts = local.model.layers[0].mlp.experts
+        w, router = experts.gate_up_proj, local.model.layers[0].mlp.gate.weight
+        seen[rank] = (experts.num_experts, tuple(w.to_local().shape), tuple(w.placements), tuple(router.placements))
+        out = pm(**kwargs)
+        full = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits
+        value = full.float().pow(2).mean()
+        with pm.context():
+            value.backward()
+        seen[rank] += (tuple(w.grad.placements), tuple(w.grad.to_local().shape))
+        return value.item(), {n: (q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad)
+                              for n, q in local.named_parameters() if q.grad is not None}
+
+    assert_matches(run_threaded(4, rank_fn), loss, ref)
+    for count, local_shape, placed, router_placed, grad_placed, grad_shape in seen.values():
+        assert count == 2 and local_shape[0] == 2 and grad_shape == local_shape
+        (ep,) = [i for i, q in enumerate(placed) if isinstance(q, Shard) and q.dim == 0]
+        assert grad_placed[ep] == placed[ep]
+        assert all(isinstance(q, Partial) for i, q in enumerate(grad_placed) if i != ep)
+        assert all(isinstance(q, Replicate) for q in router_placed)
 
 
 def test_forward_and_backward_in_one_context(models):

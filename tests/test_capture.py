@@ -60,25 +60,37 @@ def test_params_and_flops_match_torch(captured, name):
         module(**kwargs)
     reference = counter.get_total_flops()
     # torch's counter skips the fused LSTM kernel, elementwise ops and transformers' grouped-GEMM
-    # custom op (Mixtral's experts, checked by hand below); compare like with like
-    experts = sum(op.flops for op in graph.ops if "tokens" in op.dim_names)
-    heavy = sum(op.flops for op in graph.ops if op.kind not in ("elementwise", "lstm")) - experts
+    # custom op (Mixtral's experts, fused into one moe op per block and checked by hand below);
+    # compare like with like
+    moe = [op for op in graph.ops if op.kind == "moe"]
+    experts = sum(op.attr("grouped_flops") for op in moe)
+    pointwise = sum(op.attr("pointwise_flops") for op in moe)
+    heavy = sum(op.flops for op in graph.ops if op.kind not in ("elementwise", "lstm")) - experts - pointwise
     assert heavy == pytest.approx(reference, rel=0.01)
     assert graph.forward_flops - experts == pytest.approx(reference, rel=0.05) or name == "lstm_lm"
 
 
 def test_mixtral_experts_are_contractions_by_hand(captured):
-    """Small Mixtral: 4 sequences x 16 tokens, top-2 of 4 experts, hidden 64, expert width 128. Per layer
-    two grouped GEMMs over the 128 routed rows: gate+up (64 -> 256) and down (128 -> 64)."""
+    """Small Mixtral: 4 sequences x 16 tokens, top-2 of 4 experts, hidden 64, expert width 128. Each
+    layer's routed-experts block is one moe op; inside it two grouped GEMMs over the 128 routed rows:
+    gate+up (64 -> 256) and down (128 -> 64), and the router (64 -> 4) over the 64 tokens."""
     graph = captured["mixtral"][2]
-    grouped = [op for op in graph.ops if "tokens" in op.dim_names]
-    assert len(grouped) == 4
+    blocks = [op for op in graph.ops if op.kind == "moe"]
+    assert [op.name for op in blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     rows = 4 * 16 * 2
-    assert sorted(op.flops for op in grouped) == sorted([2.0 * rows * 64 * 256, 2.0 * rows * 128 * 64] * 2)
-    for op in grouped:
-        assert op.kind == "fc" and not op.dims[op.dim_index("experts")].splittable
-        w = next(o for o in op.inputs if graph.tensor(o.tensor).is_param)
-        assert graph.tensor(w.tensor).shape[0] == 4 and w.axes[0] == ("experts",)
+    for op in blocks:
+        assert op.attr("grouped_flops") == 2.0 * rows * 64 * 256 + 2.0 * rows * 128 * 64
+        assert op.attr("top_k") == 2 and op.attr("ffn") == 128
+        assert op.flops >= op.attr("grouped_flops") + 2.0 * 64 * 64 * 4  # plus the router
+        assert op.dims[op.dim_index("experts")].splittable and op.dim("experts").size == 4
+        assert [d.name for d in op.dims if d.splittable] == ["batch", "experts"]
+        experts = [o for o in op.inputs if o.axes and o.axes[0] == ("experts",)]
+        assert sorted(o.tensor.rsplit(".", 1)[1] for o in experts) == ["down_proj", "gate_up_proj"]
+        assert all(graph.tensor(o.tensor).shape[0] == 4 for o in experts)
+        (out,) = op.outputs
+        assert graph.tensor(out.tensor).shape == (4 * 16, 64)
+        # nothing inside the block is left as its own op
+        assert not [o for o in graph.ops if o is not op and (o.module or "").startswith(op.name + ".")]
 
 
 def test_lstm_flops_by_hand(captured):

@@ -1,6 +1,6 @@
 """What capture adds after the walk: which repeated block each op belongs to (``op.layer``, for
-pipeline stages) and which modules run as local computations on a batch shard (mixture-of-experts
-blocks: ``meta["local_blocks"]``, their ops split by batch only)."""
+pipeline stages) and the mixture-of-experts blocks fused into one ``moe`` op each
+(``capture.moe``; ``meta["local_blocks"]`` lists them)."""
 
 from __future__ import annotations
 
@@ -8,34 +8,13 @@ import dataclasses
 
 import torch
 
-from shardplan.ir.graph import DimKind, Graph
+from shardplan.capture import moe
+from shardplan.ir.graph import Graph
 
 
 def annotate(graph: Graph, module: torch.nn.Module) -> Graph:
     """The captured ``graph`` of ``module`` with block indices and local blocks marked."""
-    return local_blocks(with_layers(graph, module))
-
-
-def local_blocks(graph: Graph) -> Graph:
-    """Mixture-of-experts blocks (the module holding routed experts, e.g. Mixtral's ``...mlp``) run as
-    local computations on each rank's batch shard (``execute.apply``): their ops keep every dim but the
-    batch whole, and the graph lists the blocks in ``meta["local_blocks"]``."""
-    blocks = sorted({op.module.rsplit(".", 1)[0] for op in graph.ops
-                     if "experts" in op.dim_names and op.module and "." in op.module})
-    if not blocks:
-        return graph
-
-    def inside(op):
-        return op.module is not None and any(op.module == b or op.module.startswith(b + ".") for b in blocks)
-
-    ops = []
-    for op in graph.ops:
-        if inside(op):
-            dims = tuple(dataclasses.replace(d, splittable=d.splittable and d.kind is DimKind.BATCH) for d in op.dims)
-            op = dataclasses.replace(op, dims=dims)
-        ops.append(op)
-    meta = tuple(graph.meta) + (("local_blocks", tuple(blocks)),)
-    return Graph(graph.name, tuple(ops), graph.tensors, meta)
+    return moe.fuse(with_layers(graph, module))
 
 
 def block_list(module: torch.nn.Module) -> str | None:

@@ -42,7 +42,7 @@ from shardplan.cost.pase import redistribution_words
 from shardplan.cost.tables import NodeCosts
 from shardplan.ir.graph import DimKind, Graph, GraphError, Op, TensorSpec
 
-CONTRACTIONS = frozenset({"conv", "fc", "einsum", "lstm"})
+CONTRACTIONS = frozenset({"conv", "fc", "einsum", "lstm", "moe"})
 FREE = frozenset({"concat", "stack", "unstack", "reshape", "transpose"})
 KNOWN = CONTRACTIONS | FREE | {"embedding", "pool", "norm", "softmax", "softmax_xent", "reduce_mean",
                                "elementwise"}
@@ -148,6 +148,9 @@ class AnalyticCostModel:
                     items.append(MemoryItem("activation", o.tensor, t, t))
             else:  # an output: an activation kept for the backward pass
                 items.append(MemoryItem("activation", o.tensor, t, t))
+        if op.attr("kept_bytes"):  # a fused block's inner activations (``capture.moe``), split evenly
+            t = op.attr("kept_bytes") / np.prod(configs.astype(np.float64), axis=1)
+            items.append(MemoryItem("activation", op.name, t, t))
         return items
 
     def node_cost_items(self, graph: Graph, op: Op, configs: np.ndarray) -> list[CostItem]:
@@ -172,7 +175,7 @@ class AnalyticCostModel:
         factor = 3.0 if op.kind in CONTRACTIONS else 2.0
         flops = 0.0 if op.kind == "embedding" else op.flops  # a lookup is a gather, not a GEMM
         rate = dev.peak_flops * dev.efficiency * (dev.conv_efficiency if op.kind == "conv" else 1.0)
-        if dev.gemm_efficiency and op.kind in ("fc", "einsum"):
+        if dev.gemm_efficiency and op.kind in ("fc", "einsum", "moe"):
             rate = rate * gemm_factor(dev, self.smallest_gemm_dim(op, c))
         compute = np.maximum(factor * flops / procs / rate,
                              factor * sum(tiles) / dev.memory_bandwidth) + self._dispatch(op, factor, procs)
@@ -281,8 +284,13 @@ class AnalyticCostModel:
     def smallest_gemm_dim(op: Op, configs: np.ndarray) -> np.ndarray:
         """Smallest of a matrix product's local (m, n, k) per configuration (K,): for an fc, n is
         ``out_features``, k ``in_features`` and m every other dim but ``experts``; for an einsum, n is
-        ``cols``, k ``inner`` and m the row dim (batch and heads are a batch of products)."""
+        ``cols``, k ``inner`` and m the row dim (batch and heads are a batch of products); for a fused
+        mixture-of-experts block, m is one expert's rows (local tokens x top-k / experts), n and k
+        the features and the expert width."""
         local = {d.name: d.size / configs[:, i] for i, d in enumerate(op.dims)}
+        if op.kind == "moe":  # each expert's GEMMs: its routed rows of the local tokens, features, width
+            rows = local["batch"] * local.get("seq", 1.0) * op.attr("top_k", 1) / op.dim("experts").size
+            return np.minimum(np.minimum(rows, op.dim("features").size), op.attr("ffn", 1)) * np.ones(len(configs))
         if op.kind == "fc":
             n, k = local.get("out_features", 1.0), local.get("in_features", 1.0)
             m = np.ones(len(configs))

@@ -214,7 +214,7 @@ def _free(model, graph, op, c, sizes):
 
 
 _NODE = {
-    "conv": _contraction, "fc": _contraction, "einsum": _contraction, "embedding": _contraction,
+    "conv": _contraction, "fc": _contraction, "einsum": _contraction, "embedding": _contraction, "moe": _contraction,
     "lstm": _lstm, "pool": _pool, "norm": _norm, "softmax": _softmax, "softmax_xent": _softmax_xent,
     "reduce_mean": _reduce_mean, "elementwise": _elementwise,
     "concat": _free, "stack": _free, "unstack": _free, "reshape": _free, "transpose": _free,

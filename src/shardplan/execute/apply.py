@@ -74,9 +74,11 @@ def check_model(graph: Graph, plan: Plan) -> None:
                 raise ApplyError(f"op {op.name!r} splits axis {lim.axis} of {lim.tensor!r} {ways} ways, but the "
                                  f"model views that axis as {lim.limit} blocks (heads); splits must "
                                  f"divide {lim.limit}")
+        allowed = ("batch", "experts") if op.kind == "moe" else ("batch",)
         if op.kind not in _RUNNABLE and p.devices > 1 and any(
-                f > 1 and d != "batch" for d, f in p.split):
-            raise ApplyError(f"op {op.name!r} of kind {op.kind!r} can only be split by batch at run time")
+                f > 1 and d not in allowed for d, f in p.split):
+            raise ApplyError(f"op {op.name!r} of kind {op.kind!r} can only be split by "
+                             f"{' and '.join(allowed)} at run time")
 
 
 def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[OpMesh]:
@@ -239,24 +241,58 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             out_pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in out_pl]
         sub.register_forward_hook(_post_hook(mesh, out_shape, out_pl))
     for block in dict(graph.meta).get("local_blocks", ()):
-        # a mixture-of-experts block runs on each rank's batch shard: the placements its first op reads
-        first = next((op, om) for op, om in zip(graph.ops, opmeshes)
-                     if op.module == block or (op.module or "").startswith(block + "."))
-        acts = [o for o in first[0].inputs if not graph.tensor(o.tensor).is_param]
-        pl = placements(acts[0], first[1], shape) if acts else [Replicate()] * mesh.ndim
-        _run_locally(module.get_submodule(block), mesh, pl, 0)
+        # a mixture-of-experts block (one fused op) runs on each rank's batch shard, its experts
+        # divided over the mesh axes that split ``experts``
+        op, om = next((op, om) for op, om in zip(graph.ops, opmeshes) if op.name == block)
+        acts = [o for o in op.inputs if not graph.tensor(o.tensor).is_param]
+        pl = placements(acts[0], om, shape)
+        ep_axes = tuple(i for i, d in enumerate(om.placements(shape)) if d == "experts")
+        if ep_axes:
+            owner, _, attr = next(o.tensor for o in op.inputs if o.axes and o.axes[0] == ("experts",)).rpartition(".")
+            experts = module.get_submodule(owner)
+            _split_experts(experts, owner, getattr(experts, attr))
+        _run_locally(module.get_submodule(block), mesh, pl, 0, ep_axes)
     names = dict(input_names or {})
     inputs = {names.get(k, k): v for k, v in wants.items()}
     return ParallelModule(module, mesh, inputs)
 
 
-def _run_locally(sub: nn.Module, mesh: DeviceMesh, in_pl, batch_in: int = 0) -> None:
+def _split_experts(experts: nn.Module, fqn: str, weight) -> None:
+    """Make a routed-experts module (transformers' ``...Experts``: ``num_experts`` and 3-D weights with
+    a leading experts axis) compute only this rank's experts: ids of other ranks' experts become the
+    sentinel ``num_experts`` (local), which transformers' expert kernels skip."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not hasattr(experts, "num_experts"):
+        raise ApplyError(f"module {fqn!r} ({type(experts).__name__}) holds the experts but has no "
+                         f"num_experts; shardplan splits transformers' experts modules only")
+    local_shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
+                                                                weight.placements)
+    first, count = int(offset[0]), int(local_shape[0])
+    forward = experts.forward
+
+    def ep_forward(hidden_states, top_k_index, top_k_weights, *rest, **kw):
+        local = top_k_index - first
+        local = torch.where((local >= 0) & (local < count), local, torch.full_like(local, count))
+        return forward(hidden_states, local, top_k_weights, *rest, **kw)
+
+    experts.num_experts = count
+    experts._is_expert_parallel = True
+    experts.forward = ep_forward
+
+
+def _run_locally(sub: nn.Module, mesh: DeviceMesh, in_pl, batch_in: int = 0, ep_axes: tuple = ()) -> None:
     """Run ``sub`` (an LSTM, or a mixture-of-experts block: no DTensor sharding rule in torch 2.13) on
     each rank's batch shard with the local copy of its replicated weights. The input is brought to the
     planned layout (the batch, axis ``batch_in``, split over some mesh axes), the weights enter as
     local tensors whose gradients are declared partial over those axes (each rank's gradient covers
     its share of the batch), so DTensor reduces them as a data-parallel gradient; outputs go back as
-    DTensors sharded on the batch (an LSTM's state on its axis 1)."""
+    DTensors sharded on the batch (an LSTM's state on its axis 1).
+
+    Expert parallelism (``ep_axes``: the mesh axes splitting the experts): the input is whole over
+    those axes (the planned layout gathers it), each rank runs its own experts on every token, and
+    its output is a partial sum, all-reduced over ``ep_axes``; the gradients of the input and of the
+    replicated router are partial there too, the experts' own stay sharded."""
     from torch.distributed.tensor import Partial
     from torch.func import functional_call
 
@@ -268,19 +304,31 @@ def _run_locally(sub: nn.Module, mesh: DeviceMesh, in_pl, batch_in: int = 0) -> 
             return forward(x, *rest)
         target = [Shard(batch_in) if isinstance(p, Shard) else Replicate() for p in in_pl]
         x = x.redistribute(mesh, target) if tuple(x.placements) != tuple(target) else x
-        grad_pl = [Partial() if isinstance(p, Shard) else Replicate() for p in target]
-        weights = {n: (w.to_local(grad_placements=grad_pl) if isinstance(w, DTensor) else w)
+
+        def grad_pl(w):  # partial over the batch split; over the experts split unless sharded there
+            return [Partial() if isinstance(p, Shard) else
+                    (q if isinstance(q, Shard) else Partial()) if i in ep_axes else Replicate()
+                    for i, (p, q) in enumerate(zip(target, w.placements))]
+
+        weights = {n: (w.to_local(grad_placements=grad_pl(w)) if isinstance(w, DTensor) else w)
                    for n, w in sub.named_parameters()}
         rest = tuple(tuple(h.to_local() if isinstance(h, DTensor) else h for h in r) if isinstance(r, tuple)
                      else (r.to_local() if isinstance(r, DTensor) else r) for r in rest)
-        out = functional_call(sub, weights, (x.to_local(), *rest))
+        x_grad = [Partial() if i in ep_axes else p for i, p in enumerate(target)]
+        out = functional_call(sub, weights, (x.to_local(grad_placements=x_grad), *rest))
         if is_lstm:
             y, (h, c) = out
             state_pl = [Shard(1) if isinstance(p, Shard) else Replicate() for p in target]
             return (DTensor.from_local(y, mesh, target, run_check=False),
                     (DTensor.from_local(h, mesh, state_pl, run_check=False),
                      DTensor.from_local(c, mesh, state_pl, run_check=False)))
-        wrap = lambda t: DTensor.from_local(t, mesh, target, run_check=False) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        made = [Partial() if i in ep_axes else p for i, p in enumerate(target)]
+
+        def wrap(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = DTensor.from_local(t, mesh, made, run_check=False)
+            return t.redistribute(mesh, target) if ep_axes else t  # sum the experts' shares
         return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
     sub.forward = local_forward

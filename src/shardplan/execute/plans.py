@@ -5,10 +5,14 @@ split by output features, second ones by input features, attention by heads. ``o
 parallel plus one unusual split (the LM head's vocabulary, or the CNN's first linear split-K).
 ``replicated`` runs everything everywhere. ``mixed`` is tensor parallel in the MLP blocks and data
 parallel elsewhere. ``half_data_parallel`` is data parallel up to the middle op and replicated after
-(one all-gather of the batch between), a plan whose cost lies between the two.
+(one all-gather of the batch between), a plan whose cost lies between the two. ``expert_parallel``
+is data parallel with each mixture-of-experts block's experts split over as many devices as divide
+them, the rest of the devices splitting its batch.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -88,3 +92,16 @@ def half_data_parallel(tables: CostTables) -> list[int]:
     dp, rep = list(data_parallel(tables)), replicated(tables)
     half = len(dp) // 2
     return dp[:half] + rep[half:]
+
+
+def expert_parallel(tables: CostTables) -> list[int]:
+    """Data parallel, and every fused mixture-of-experts op (``capture.moe``) split over its experts
+    ``gcd(experts, p)`` ways, its batch over the remaining devices where the batch divides."""
+    p, choice = tables.devices, list(data_parallel(tables))
+    for i, op in enumerate(tables.graph.ops):
+        if op.kind != "moe":
+            continue
+        e = math.gcd(op.dim("experts").size, p)
+        b = math.gcd(op.dim("batch").size, p // e)
+        choice[i] = _config(tables, i, experts=e, batch=b)
+    return choice

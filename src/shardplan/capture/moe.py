@@ -1,0 +1,130 @@
+"""Mixture-of-experts blocks as one op: the routed experts of a block (e.g. Mixtral's ``...mlp``:
+router, token gather, grouped gate/up and down GEMMs, weighting, scatter back) fused into a single
+``moe`` op, so the search can choose expert parallelism for the block as a whole.
+
+The fused op's dims are ``batch`` (split: data parallel), ``seq`` and ``features`` (whole) and
+``experts`` (split: expert parallel). Its operands say what each split costs under the analytic
+model's missing-dims rule (``cost.analytic``), and ``execute.apply`` runs exactly that:
+
+* the hidden states are read as ``(batch, seq, features)``: with ``experts`` split over mesh axes A
+  the block's input is replicated over A (an all-gather of the tokens at the edge into the block);
+* the output lacks ``experts``: each rank's local experts give partial sums for every token, which
+  are all-reduced over A;
+* the experts' weights are indexed by ``experts``: each rank keeps ``E / |A|`` experts, and their
+  gradients are reduced over the batch split only;
+* the router's weight is indexed by ``features`` only: replicated, its gradient partial over every
+  split (each rank back-propagates through its own experts' rows).
+
+Why gather-and-reduce rather than all-to-all: it is exact for any routing with no capacity limit,
+and DTensor does it with its own collectives (``all_to_all`` is not in gloo's DTensor path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardplan.ir.graph import Dim, DimKind, Graph, Op, Operand
+
+KIND = "moe"
+
+
+def _inside(op: Op, block: str) -> bool:
+    return op.module is not None and (op.module == block or op.module.startswith(block + "."))
+
+
+def fuse_block(graph: Graph, block: str) -> Graph:
+    """``graph`` with the ops of MoE module ``block`` replaced by one ``moe`` op named ``block``."""
+    from shardplan.capture.values import CaptureError
+
+    idx = [i for i, op in enumerate(graph.ops) if _inside(op, block)]
+    ops = [graph.ops[i] for i in idx]
+    made = {o.tensor for op in ops for o in op.outputs}
+    acts, params, seen = [], {}, set()
+    for op in ops:
+        for o in op.inputs:
+            spec = graph.tensor(o.tensor)
+            if spec.is_param:
+                params.setdefault(o.tensor, o.axes)
+            elif o.tensor not in made and o.tensor not in seen:
+                seen.add(o.tensor)
+                acts.append(o.tensor)
+    outside = [op for i, op in enumerate(graph.ops) if i not in set(idx)]
+    read_outside = {o.tensor for op in outside for o in op.inputs}
+    read = {o.tensor for op in graph.ops for o in op.inputs}
+    outs = [t for t in dict.fromkeys(o.tensor for op in ops for o in op.outputs)
+            if t in read_outside or t not in read]
+    if len(acts) != 1 or len(outs) != 1:
+        raise CaptureError(f"mixture-of-experts block {block!r} reads {len(acts)} activations ({', '.join(acts)}) "
+                           f"and gives {len(outs)} ({', '.join(outs)}); shardplan fuses blocks with one of each")
+    x = graph.tensor(acts[0])
+    grouped = [op for op in ops if "experts" in op.dim_names]
+    e = grouped[0].dim("experts").size
+    rows = grouped[0].dim("tokens").size
+    if len(x.shape) not in (2, 3) or rows % (x.shape[0] * (x.shape[1] if len(x.shape) == 3 else 1)):
+        raise CaptureError(f"mixture-of-experts block {block!r}: input {x.name!r} of shape {x.shape} is not "
+                           f"(batch, seq, features) or (tokens, features) with {rows} routed rows")
+    tokens = x.shape[0] * (x.shape[1] if len(x.shape) == 3 else 1)
+    features = x.shape[-1]
+    ffn = grouped[-1].dim("in_features").size  # the down projection reads the expert width
+    dims = [Dim("batch", x.shape[0], DimKind.BATCH)]
+    x_axes = [("batch",)]
+    if len(x.shape) == 3:
+        dims.append(Dim("seq", x.shape[1], DimKind.SEQUENCE, splittable=False))
+        x_axes.append(("seq",))
+    dims += [Dim("experts", e, DimKind.PARALLEL), Dim("features", features, splittable=False)]
+    x_axes.append(("features",))
+    inputs = [Operand(x.name, tuple(x_axes))]
+    for name, axes in params.items():
+        shape = graph.tensor(name).shape
+        if any(name == o.tensor for op in grouped for o in op.inputs):
+            axes = (("experts",),) + ((),) * (len(shape) - 1)  # the experts' own weights
+        elif any(_inside(op, block) and op.module == name.rpartition(".")[0] for op in ops):
+            # a weight of the block itself (the router): replicated, read along the features
+            axes = tuple(("features",) if i == len(shape) - 1 and s == features else () for i, s in enumerate(shape))
+        else:
+            axes = ((),) * len(shape)  # a weight from outside folded in (a norm's scale)
+        inputs.append(Operand(name, axes))
+    out = graph.tensor(outs[0])
+    if out.shape == x.shape:
+        out_axes = tuple(x_axes)
+    elif len(out.shape) == 2 and out.shape[-1] == features:
+        # flattened tokens; the walk gives the scatter back (index_add) the rows of what it adds
+        # (tokens x top-k), the block returns one row per token
+        out = dataclasses.replace(out, shape=(tokens, features), split_limits=())
+        out_axes = (tuple(a for ax in x_axes[:-1] for a in ax), ("features",))
+    else:
+        raise CaptureError(f"mixture-of-experts block {block!r} maps {x.shape} to {out.shape}; shardplan "
+                           f"fuses blocks that return one row of {features} features per token")
+    kept = sum(graph.tensor(o.tensor).nbytes for op in ops for o in op.outputs if o.tensor != outs[0])
+
+    def total(key):
+        return sum(op.attr(key, 0) for op in ops)
+
+    attrs = {"dispatches": total("dispatches"), "folded_ops": total("folded_ops") + len(ops) - 1,
+             "folded_bytes": total("folded_bytes"), "pw_ops": 0, "top_k": rows // tokens, "ffn": ffn,
+             "grouped_flops": sum(op.flops for op in grouped),
+             "pointwise_flops": sum(op.flops for op in ops if op.kind == "elementwise"),
+             "kept_bytes": kept}
+    for key in ("folded_pool_input_bytes", "folded_pool_bytes"):
+        if total(key):
+            attrs[key] = total(key)
+    fused = Op(block, KIND, tuple(dims), tuple(inputs), (Operand(out.name, out_axes),),
+               flops=sum(op.flops for op in ops), attrs=tuple(sorted(attrs.items())), module=block,
+               layer=ops[0].layer)
+    last = idx[-1]
+    new_ops = [fused if i == last else op for i, op in enumerate(graph.ops) if i == last or i not in set(idx)]
+    internal = made - {outs[0]}
+    tensors = tuple(out if t.name == out.name else t for t in graph.tensors if t.name not in internal)
+    return Graph(graph.name, tuple(new_ops), tensors, graph.meta)
+
+
+def fuse(graph: Graph) -> Graph:
+    """Every routed-experts block of ``graph`` fused into one op (``meta["local_blocks"]`` lists them):
+    the module holding ops with an ``experts`` dim, e.g. Mixtral's ``model.layers.0.mlp``."""
+    blocks = sorted({op.module.rsplit(".", 1)[0] for op in graph.ops
+                     if "experts" in op.dim_names and op.module and "." in op.module})
+    for block in blocks:
+        graph = fuse_block(graph, block)
+    if not blocks:
+        return graph
+    return dataclasses.replace(graph, meta=tuple(graph.meta) + (("local_blocks", tuple(blocks)),))
