@@ -91,8 +91,9 @@ class HeavyOps:
     def h_grouped_mm_fallback(self, node):
         """A mixture-of-experts grouped GEMM (transformers' ``grouped_mm``: tokens sorted by expert,
         ``x (T, K) @ w[e] (K, N)`` for each expert's slice of rows): an fc whose weight has a leading
-        experts axis. T counts token x top-k rows, so FLOPs are ``2 T K N``; the experts dim is kept
-        whole (the runtime cannot split routed experts), tokens are the batch."""
+        experts axis. T counts token x top-k rows, so FLOPs are ``2 T K N``; tokens are the batch. The
+        experts dim is whole here: ``capture.moe`` fuses the block around it into one op whose
+        experts the search may split (expert parallelism)."""
         x, w = node.args[0], node.args[1]
         (t, k), (e, kw, n) = tuple(self._meta(x).shape), tuple(self._meta(w).shape)
         if kw != k:
