@@ -449,7 +449,28 @@ def test_expert_parallel_moe_by_hand():
     # half-tiles over the experts pair, the router over all four
     _, _, hy_comm, _ = costs_of(g, model, 4, "mlp", (2, 1, 2, 1))
     pair_e, pair_b = c.per_level(2, 1), c.per_level(2, 2)
-    want = (float(collective_seconds(c, "all_reduce", out / 2, pair_e)) + float(collective_seconds(c, "all_reduce", h / 2, pair_e))
+    want = (sum(float(collective_seconds(c, "all_reduce", n / 2, pair_e)) for n in (out, h))
             + float(collective_seconds(c, "all_reduce", router, q))
             + sum(float(collective_seconds(c, "all_reduce", n / 2, pair_b)) for n in (w_in, w_out)))
     assert hy_comm == pytest.approx(want, rel=1e-12)
+
+
+def test_search_picks_expert_parallelism_when_expert_weights_dominate():
+    """Few tokens, large experts (8 x 2 x 1024 x 4096 floats): data parallelism all-reduces every
+    expert's gradient, an experts split only the tokens' partial sums, so the exact search splits
+    the experts, and a memory cap that one device's whole experts exceed makes it the only choice."""
+    from shardplan.search.solve import solve
+
+    g = _moe_graph(batch=4, seq=32, features=1024, experts=8, ffn=4096, top_k=2, kept=0)
+    model = AnalyticCostModel(cluster())
+    tables = build_tables(g, model, 4)
+    sol = solve(tables)
+    i = g.op_index("mlp")
+    split = dict(zip(g.ops[i].dim_names, tables.configs[i][sol.choice[i]]))
+    assert split["experts"] == 4, split
+    dp = [tables.index_of(k, tuple(4 if d.kind.name == "BATCH" else 1 for d in op.dims)) for k, op in enumerate(g.ops)]
+    assert sol.cost < tables.cost_of(dp)
+    experts_bytes = 4 * 8 * 3 * 1024 * 4096
+    capped = solve(tables, memory_limit_bytes=2 * experts_bytes)  # weights + grads + Adam: 4x per copy
+    split = dict(zip(g.ops[i].dim_names, tables.configs[i][capped.choice[i]]))
+    assert split["experts"] >= 2, split
