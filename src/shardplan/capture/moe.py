@@ -112,9 +112,19 @@ def fuse_block(graph: Graph, block: str) -> Graph:
                flops=sum(op.flops for op in ops), attrs=tuple(sorted(attrs.items())), module=block,
                layer=ops[0].layer)
     last = idx[-1]
-    new_ops = [fused if i == last else op for i, op in enumerate(graph.ops) if i == last or i not in set(idx)]
-    internal = made - {outs[0]}
-    tensors = tuple(out if t.name == out.name else t for t in graph.tensors if t.name not in internal)
+    # the output is named after the block (``<block>:out``, as capture names every op's output)
+    old_name, out = out.name, dataclasses.replace(out, name=f"{block}:out")
+    fused = dataclasses.replace(fused, outputs=(Operand(out.name, out_axes),))
+
+    def renamed(op: Op) -> Op:
+        if all(o.tensor != old_name for o in op.inputs):
+            return op
+        return dataclasses.replace(op, inputs=tuple(Operand(out.name, o.axes) if o.tensor == old_name else o
+                                                    for o in op.inputs))
+    new_ops = [fused if i == last else renamed(op) for i, op in enumerate(graph.ops)
+               if i == last or i not in set(idx)]
+    internal = made - {old_name}
+    tensors = tuple(out if t.name == old_name else t for t in graph.tensors if t.name not in internal)
     return Graph(graph.name, tuple(new_ops), tensors, graph.meta)
 
 
