@@ -256,6 +256,54 @@ def test_expert_and_data_parallel_hybrid_holds_a_share_of_the_experts():
         assert all(isinstance(q, Replicate) for q in router_placed)
 
 
+def test_flattened_channel_split_keeps_the_weight_gradient_sharded(models):
+    """The CNN's first fc reads the flattened (batch, channels, h, w) map with ``in_features`` split:
+    its input arrives split along the flattened features, so each rank computes only its columns of
+    the weight gradient (before: the input was replicated, and the whole gradient was computed on
+    every rank, then cut down). Every gradient has its parameter's placements (a replicated one's
+    may still be a sum pending over the batch split)."""
+    module, kwargs, graph, loss, ref = models["torch_cnn"]
+    plan = make_plan(graph, "odd", 2)
+    assert dict(plan.ops[graph.op_index("fc1")].split)["in_features"] == 2
+    seen = {}
+
+    def rank_fn(rank):
+        local = copy.deepcopy(module)
+        pm = apply(local, graph, plan, init_device_mesh("cpu", choose_mesh(graph, plan)))
+        value = pm(**kwargs).full_tensor().float().pow(2).mean()
+        with pm.context():
+            value.backward()
+        seen[rank] = {n: (tuple(q.placements), tuple(q.grad.placements), tuple(q.grad.to_local().shape))
+                      for n, q in local.named_parameters()}
+        return value.item(), {n: q.grad.full_tensor() for n, q in local.named_parameters()}
+
+    assert_matches(run_threaded(2, rank_fn), loss, ref)
+    for per_param in seen.values():
+        for name, (placed, grad_placed, local_shape) in per_param.items():
+            # a replicated weight's gradient may still be a pending sum (Partial) over the batch split
+            assert all(g == p or (p.is_replicate() and g.is_partial()) for p, g in zip(placed, grad_placed)), name
+        out_f, in_f = module.fc1.weight.shape
+        assert per_param["fc1.weight"][2] == (out_f, in_f // 2)  # this rank's columns only
+
+
+def test_view_placements_by_hand():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from shardplan.execute.apply import _view_placements
+
+    # flatten (32, 128, 4, 4) -> (32, 2048): the channel split leads the merged dims
+    assert _view_placements((32, 128, 4, 4), (32, 2048), [Shard(1)], (2,)) == [Shard(1)]
+    assert _view_placements((32, 128, 4, 4), (32, 2048), [Shard(0), Shard(1)], (2, 4)) == [Shard(0), Shard(1)]
+    # a split of a trailing dim of the merge has no contiguous counterpart
+    assert _view_placements((32, 128, 4, 4), (32, 2048), [Shard(2)], (2,)) == [Replicate()]
+    # (b, l, h * k) -> (b, l, h, k): heads split into whole heads; a size-1 dim is skipped
+    assert _view_placements((8, 16, 64), (8, 16, 4, 16), [Shard(2)], (4,)) == [Shard(2)]
+    assert _view_placements((8, 16, 64), (8, 16, 2, 32), [Shard(2)], (4,)) == [Replicate()]
+    assert _view_placements((8, 128), (8, 1, 128), [Shard(1)], (2,)) == [Shard(2)]
+    # no planned shape: only the batch carries over
+    assert _view_placements((), (8, 16), [Shard(0), Shard(1)], (2, 2)) == [Shard(0), Replicate()]
+
+
 def test_forward_and_backward_in_one_context(models):
     """As ``shardplan run`` trains: forward and backward inside one ``pm.context()``. The forward enters
     implicit replication itself; leaving it must not switch it off for the backward (a replicated

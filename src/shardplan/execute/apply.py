@@ -353,6 +353,34 @@ class _GradAt(torch.autograd.Function):
         return grad
 
 
+def _view_placements(planned: tuple, actual: tuple, target: list, mesh_shape: tuple) -> list:
+    """``target`` (placements planned for a tensor of shape ``planned``) carried over to a view of it
+    of shape ``actual`` that merges or splits neighbouring dims (a flatten before a linear layer, say).
+
+    A split of planned dim ``d`` over ``n`` devices is the same split of the view's dim ``j`` when as
+    many elements lie before both, ``d`` leads the dims merged into ``j`` (or ``j`` leads the dims
+    ``d`` is split into), and ``n`` divides the smaller of the two, so each device's contiguous block
+    holds the same elements. Any other split replicates on its mesh axis (the batch, dim 0, always
+    carries over). Without this a flattened channel split became a replicated input, and the layer's
+    weight gradient was computed whole on every device and then cut down."""
+    if not planned:
+        return [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in target]
+    ways: dict[int, int] = {}
+    for p, n in zip(target, mesh_shape):
+        if isinstance(p, Shard):
+            ways[p.dim] = ways.get(p.dim, 1) * n
+    out = []
+    for p in target:
+        if not isinstance(p, Shard):
+            out.append(p)
+            continue
+        before, b = math.prod(planned[:p.dim]), planned[p.dim]
+        same = [j for j, a in enumerate(actual) if math.prod(actual[:j]) == before
+                and (a % b == 0 or b % a == 0) and min(a, b) % ways[p.dim] == 0]
+        out.append(Shard(same[0]) if same else Replicate())
+    return out
+
+
 def _pre_hook(mesh, in_shape, target):
     def hook(mod, args):
         if not args or not isinstance(args[0], torch.Tensor) or target is None:
@@ -360,8 +388,8 @@ def _pre_hook(mesh, in_shape, target):
         x = args[0]
         pl = target
         if tuple(x.shape) != tuple(in_shape or ()) and (in_shape is None or x.ndim != len(in_shape)):
-            # a reshaped view of the planned tensor (a flatten, say): keep only the batch split
-            pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in target]
+            # a reshaped view of the planned tensor (a flatten, say)
+            pl = _view_placements(tuple(in_shape or ()), tuple(x.shape), list(target), tuple(mesh.shape))
         x = _to_layout(x, mesh, pl)
         if isinstance(x, DTensor) and x.requires_grad:
             x = _GradAt.apply(x)
