@@ -84,7 +84,7 @@ def main() -> None:
             if cal.returncode:
                 sys.exit(f"shardplan calibrate failed: {cal.stderr.strip()[-500:]}")
             calibrations.append(f"{name}: {cal.stdout.strip().splitlines()[-1]}")
-        model = AnalyticCostModel(load_cluster(cluster_file))
+        model = AnalyticCostModel(load_cluster(cluster_file), optimizer="sgd")  # the runs train with plain SGD
         kw = parse_config(config)
         module, kwargs = build(name, batch=batch, seq=seq, **kw)
         graph = capture(module, (), kwargs, name=name)

@@ -35,6 +35,19 @@ def costs_of(graph, model, devices, op, config):
     return tables, float(n.compute[j]), float(n.comm[j]), float(n.memory[j])
 
 
+def update_of(graph, model, devices, op, config):
+    """The optimizer-update term of ``op``'s compute under ``config`` (seconds)."""
+    tables = build_tables(graph, model, devices)
+    i = graph.op_index(op)
+    j = tables.index_of(i, config)
+    items = model.node_cost_items(graph, graph.ops[i], tables.configs[i][j:j + 1])
+    return sum(float(it.seconds[0]) for it in items if it.name == "optimizer_update")
+
+
+def params_of(graph, op):
+    return sum(graph.tensor(o.tensor).is_param for o in op.inputs)
+
+
 def test_ring_all_reduce_on_one_node():
     c = cluster()
     nbytes = 4 * 256 * 512
@@ -70,8 +83,9 @@ def test_data_parallel_linear_hand_calculation():
                                         (4, 1, 1))
     flops = 3 * 2 * batch * k * n / 4
     bytes_ = 3 * 4 * (batch * k / 4 + n * k + batch * n / 4)
-    assert compute == pytest.approx(max(flops / PEAK, bytes_ / HBM), rel=1e-12)
     weight = 4 * n * k
+    # then Adam's update of the whole weight: read weight, gradient and 2 moments, write 3 of them back
+    assert compute == pytest.approx(max(flops / PEAK, bytes_ / HBM) + 7 * weight / HBM, rel=1e-12)
     assert comm == pytest.approx(2 * 3 * ALPHA0 + 2 * 0.75 * weight / BETA0, rel=1e-12)
     # weight + gradient + two Adam moments, and the output activation kept for backward, and the input
     assert memory == pytest.approx(4 * weight + 4 * batch * n / 4 + 4 * batch * k / 4, rel=1e-12)
@@ -188,7 +202,7 @@ def test_presets_scale():
 
 def test_op_overhead_is_charged_per_pass():
     """A calibrated dispatch overhead o adds 3 o to a contraction (forward + 2 backward) and 2 o to
-    other priced ops, whatever the configuration."""
+    other priced ops, whatever the configuration, and o per parameter for its update."""
     import dataclasses
 
     import numpy as np
@@ -206,6 +220,7 @@ def test_op_overhead_is_charged_per_pass():
     for op, n0, n1 in zip(graph.ops, t0.nodes, t1.nodes):
         extra = {"fc": 3e-3, "softmax_xent": 2e-3}.get(op.kind)
         if extra is not None:
+            extra += 1e-3 * params_of(graph, op)
             assert np.allclose(n1.compute - n0.compute, extra), op.name
 
 
@@ -278,7 +293,8 @@ def test_calibrated_fields_survive_a_cluster_file_and_convs_use_their_rate():
         if op.kind == "conv":
             assert np.all(b.compute >= a.compute) and np.any(b.compute > 1.5 * a.compute), op.name
         elif op.kind == "fc":
-            assert np.allclose(b.compute - a.compute, 3 * 2e-5), op.name  # only the dispatch changed
+            # only the dispatch changed: 3 passes and the update of each parameter
+            assert np.allclose(b.compute - a.compute, (3 + params_of(g, op)) * 2e-5), op.name
 
 
 def test_skinny_products_run_at_the_calibrated_curve():
@@ -299,11 +315,12 @@ def test_skinny_products_run_at_the_calibrated_curve():
     assert gemm_factor(slow.device, [16.0]).tolist() == [1.0]
     _, plain, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(slow), 4, "fc", (4, 1, 1))
     _, curved, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(skinny), 4, "fc", (4, 1, 1))
-    assert plain == pytest.approx(3 * 2 * 64 * 256 * 512 / 4 / 1e9, rel=1e-12)
-    assert curved == pytest.approx(plain / 0.5, rel=1e-12)
+    update = 7 * 4 * 256 * 512 / HBM  # the optimizer step, memory bound, no GEMM
+    assert plain == pytest.approx(3 * 2 * 64 * 256 * 512 / 4 / 1e9 + update, rel=1e-12)
+    assert curved - update == pytest.approx((plain - update) / 0.5, rel=1e-12)
     # a 2-way split leaves m = 32: the curve's point
     _, two, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(skinny), 2, "fc", (2, 1, 1))
-    assert two == pytest.approx(3 * 2 * 64 * 256 * 512 / 2 / 1e9 / 0.6, rel=1e-12)
+    assert two == pytest.approx(3 * 2 * 64 * 256 * 512 / 2 / 1e9 / 0.6 + update, rel=1e-12)
     assert not math.isclose(two, curved)
     back = cluster_from_dict(cluster_to_dict(skinny))
     assert back.device.gemm_efficiency == curve
@@ -317,8 +334,8 @@ def test_skinny_products_run_at_the_calibrated_curve():
 
 def test_sharded_configurations_pay_the_split_dispatch_cost():
     """With ``split_op_overhead`` set, a linear run replicated pays 3 op_overhead of dispatch and run
-    split pays 3 split_op_overhead (by hand: the compute difference from the same device without
-    overheads); the field survives a cluster file, and a negative one is refused by name."""
+    split pays 3 split_op_overhead, and its weight's update one op_overhead either way (by hand: the
+    compute difference from the same device without overheads); the field survives a cluster file, and a negative one is refused by name."""
     import dataclasses
 
     from shardplan.cluster.model import ClusterError
@@ -331,7 +348,7 @@ def test_sharded_configurations_pay_the_split_dispatch_cost():
     for config, per_call in (((1, 1, 1), 1e-4), ((4, 1, 1), 3e-4), ((1, 2, 1), 3e-4)):
         _, plain, _, _ = costs_of(g, AnalyticCostModel(base), 4, "fc", config)
         _, paid, _, _ = costs_of(g, AnalyticCostModel(slow), 4, "fc", config)
-        assert paid - plain == pytest.approx(3 * per_call, rel=1e-9), config
+        assert paid - plain == pytest.approx(3 * per_call + 1e-4, rel=1e-9), config
     assert cluster_from_dict(cluster_to_dict(slow)).device.split_op_overhead == 3e-4
     assert "split_op_overhead" not in cluster_to_dict(base)["device"]
     with pytest.raises(ClusterError, match="split_op_overhead"):
@@ -343,7 +360,8 @@ def test_compute_before_a_sync_point_is_stretched():
     path, and in no other (by hand: a linear whose input is a graph input has one such collective,
     the forward all-reduce of a split ``in_features``, so its forward compute, a third of its
     compute, is stretched; data parallel has only the weight-gradient all-reduce, which overlaps the
-    backward pass, and an ``out_features`` split has no collective at all). The field survives a
+    backward pass, and an ``out_features`` split has no collective at all; the optimizer update comes
+    after both passes and is never stretched). The field survives a
     cluster file and a negative one is refused by name."""
     import dataclasses
 
@@ -359,7 +377,9 @@ def test_compute_before_a_sync_point_is_stretched():
         config = tuple(split.get(n, 1) for n in names)
         _, plain, comm, _ = costs_of(g, AnalyticCostModel(base), 4, "fc", config)
         _, paid, comm_paid, _ = costs_of(g, AnalyticCostModel(slow), 4, "fc", config)
-        assert paid - plain == pytest.approx(rho * stretched * plain, rel=1e-9, abs=1e-15), split
+        update = update_of(g, AnalyticCostModel(base), 4, "fc", config)
+        assert update > 0
+        assert paid - plain == pytest.approx(rho * stretched * (plain - update), rel=1e-9, abs=1e-15), split
         assert comm_paid == comm
     assert cluster_from_dict(cluster_to_dict(slow)).device.sync_stretch == rho
     assert "sync_stretch" not in cluster_to_dict(base)["device"]
@@ -474,3 +494,28 @@ def test_search_picks_expert_parallelism_when_expert_weights_dominate():
     capped = solve(tables, memory_limit_bytes=2 * experts_bytes)  # weights + grads + Adam: 4x per copy
     split = dict(zip(g.ops[i].dim_names, tables.configs[i][capped.choice[i]]))
     assert split["experts"] >= 2, split
+
+
+def test_optimizer_update_by_hand():
+    """The optimizer step is priced per parameter tile, memory bound: plain SGD moves 3 x the tile
+    (reads weight and gradient, writes the weight), Adam 7 x (and its two moments), plus one dispatch
+    each; an ``out_features`` split 4 ways updates a quarter of the weight on each device."""
+    import dataclasses
+
+    base = cluster()
+    o = 1e-5
+    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, op_overhead=o))
+    g = one_linear(64, 256, 512)
+    weight = 4 * 256 * 512
+    names = g.ops[g.op_index("fc")].dim_names
+    for split, tile in (({}, weight), ({"batch": 4}, weight), ({"out_features": 4}, weight / 4)):
+        config = tuple(split.get(n, 1) for n in names)
+        for optimizer, moved in (("sgd", 3), ("sgd_momentum", 5), ("adam", 7)):
+            got = update_of(g, AnalyticCostModel(slow, optimizer=optimizer), 4, "fc", config)
+            assert got == pytest.approx(moved * tile / HBM + o, rel=1e-12), (split, optimizer)
+    # it is compute on the critical path, after both passes (no forward share)
+    tables = build_tables(g, AnalyticCostModel(slow), 4)
+    i = g.op_index("fc")
+    item = next(it for it in AnalyticCostModel(slow).node_cost_items(g, g.ops[i], tables.configs[i])
+                if it.name == "optimizer_update")
+    assert item.stream == "compute" and item.critical and not item.fwd.any()

@@ -1,6 +1,7 @@
 """``shardplan run``: one real torchrun launch (gloo, 2 ranks) and the refusals made before any launch."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -134,3 +135,36 @@ def test_pipeline_plan_refusals_before_launch(tmp_path, capsys):
     tp = _pipeline_plan(tmp_path, "gpt2", {}, p=2, chunks=1, schedule="1f1b", t=2)
     assert main(["run", "--model", "gpt2", "--devices", "4", "--plan", str(tp)]) == 2
     assert "not supported for gpt2 blocks" in capsys.readouterr().err
+
+
+CHURN = """
+import resource, numpy as np
+def churn():  # a training step's worth of large buffers, allocated and freed 20 times
+    for _ in range(20):
+        keep = [np.ones(n) for n in (300_000, 2_000_000, 700_000, 1_500_000, 50_000, 3_000_000)]
+        del keep
+churn()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+churn()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tunables")
+def test_ranks_keep_freed_memory_instead_of_faulting_it_in_every_step():
+    """The ranks' environment keeps freed buffers in the heap: re-allocating a step's buffers faults no
+    pages in, where glibc's defaults fault thousands; a user's own settings win."""
+    from shardplan.execute.launch import MALLOC_TUNABLES, worker_env
+
+    env = worker_env({"PATH": "/usr/bin"})
+    assert env["GLIBC_TUNABLES"] == MALLOC_TUNABLES and env["OMP_NUM_THREADS"] == "1"
+    mine = worker_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1", "OMP_NUM_THREADS": "2"})
+    assert mine["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=1" and mine["OMP_NUM_THREADS"] == "2"
+
+    def faults(env):
+        out = subprocess.run([sys.executable, "-c", CHURN], env=env, capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+    plain = faults({**os.environ, "GLIBC_TUNABLES": ""})
+    kept = faults(worker_env({k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}))
+    assert plain > 1000 and kept < plain / 100, (plain, kept)

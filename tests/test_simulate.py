@@ -134,14 +134,15 @@ def test_data_parallel_linear_gradient_all_reduce_by_hand():
     tables = build_tables(g, AnalyticCostModel(cl), 4)
     choice = data_parallel(tables)
     plan = Plan.from_choice(tables, choice)
-    r = simulate(g, cl, plan, optimizer=False)
+    r = simulate(g, cl, plan)
     grad = [e for e in r.events if "weight_grad_allreduce" in e.name]
     assert len(grad) == 1
     n = 2048 * 1024 * 4  # the fp32 weight, replicated on 4 devices
     assert grad[0].end - grad[0].start == pytest.approx(2 * 3 * ALPHA + 2 * 3 / 4 * n / BETA, rel=1e-12)
-    # one op: nothing to overlap the gradient with, so it ends the iteration after the backward
+    # one op: nothing to overlap the gradient with, so it follows the backward, and the update ends the iteration
     bwd = next(e for e in r.events if e.name == "fc bwd")
-    assert grad[0].start == bwd.end
+    update = next(e for e in r.events if ".optimizer " in e.name)
+    assert grad[0].start == bwd.end and update.start == grad[0].end and update.end == r.iteration_seconds
     assert r.iteration_seconds == pytest.approx(tables.cost_of(choice), rel=1e-12)
 
 
@@ -177,12 +178,14 @@ CASES = zoo_cases()
 
 
 def critical_items_seconds(g, cl, tables, choice):
-    """Sum of every critical item of the analytic model plus every edge, computed from the model."""
+    """Sum of every critical item of the analytic model but the optimizer updates, plus every edge,
+    computed from the model."""
     model = AnalyticCostModel(cl)
     total = tables.edge_cost_of(choice)
     for i, op in enumerate(g.ops):
         cfg = tables.configs[i][choice[i]][None, :]
-        total += sum(float(it.seconds[0]) for it in model.node_cost_items(g, op, cfg) if it.critical)
+        total += sum(float(it.seconds[0]) for it in model.node_cost_items(g, op, cfg)
+                     if it.critical and it.name != "optimizer_update")
     return total
 
 
@@ -191,7 +194,7 @@ def test_serial_simulation_equals_the_cost_model_and_overlap_is_bounded(case):
     g, cl, tables, label, choice = case
     plan = Plan.from_choice(tables, choice)
     cost = tables.cost_of(choice)
-    serial = simulate(g, cl, plan, overlap=False, optimizer=False)
+    serial = simulate(g, cl, plan, overlap=False)
     assert serial.iteration_seconds == pytest.approx(cost, rel=1e-9)
     assert serial.compute_seconds[0] + serial.comm_seconds[0] == pytest.approx(cost, rel=1e-9)
     assert serial.idle_seconds[0] == pytest.approx(0.0, abs=1e-9 * cost)

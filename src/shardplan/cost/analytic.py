@@ -50,6 +50,16 @@ OPTIMIZER_STATES = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
 """Optimizer state tensors per parameter, each of the parameter's size (Adam: first and second moment)."""
 
 
+def update_seconds(device, optimizer: str, tile_bytes):
+    """Seconds of one optimizer step on a parameter tile of ``tile_bytes`` (a number or an array):
+    memory bound, it reads the weight, its gradient and the ``s`` optimizer states and writes the
+    weight and the states back, ``(3 + 2 s) x tile`` bytes at ``memory_bandwidth`` (Adam, s = 2: reads
+    p, g, m, v and writes p, m, v as ``torch.optim.Adam(fused=True)`` does; plain SGD: 3 x), plus one
+    ``op_overhead`` (a loop over parameters; a multi-tensor kernel would pay it once for all). Its
+    FLOPs (about 10 per element for Adam) are far below the memory-bound time on any device."""
+    return (3.0 + 2.0 * OPTIMIZER_STATES[optimizer]) * tile_bytes / device.memory_bandwidth + device.op_overhead
+
+
 @dataclass(frozen=True)
 class CostItem:
     """One term of an op's time per configuration (seconds, arrays over the K configurations).
@@ -245,7 +255,14 @@ class AnalyticCostModel:
             items.append(CostItem("lstm_step_collectives", "comm", True, steps, 0.5 * steps))
         if dev.sync_stretch:
             items.append(self._sync_wait(items, len(configs)))
+        params = [t for o, t in zip(op.inputs, tiles) if graph.tensor(o.tensor).is_param]
+        if params:  # after the backward pass, so not stretched by a sync point
+            items.append(CostItem("optimizer_update", "compute", True, self._update(params), np.zeros(len(configs))))
         return items
+
+    def _update(self, tiles: list[np.ndarray]) -> np.ndarray:
+        """The optimizer step on this op's parameter tiles (seconds, (K,)): ``update_seconds`` of each."""
+        return sum(update_seconds(self.cluster.device, self.optimizer, t) for t in tiles)
 
     def _sync_wait(self, items: list[CostItem], K: int) -> CostItem:
         """Waiting for the slowest peer at a sync point: ``sync_stretch x`` the op's compute in each pass

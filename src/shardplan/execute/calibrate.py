@@ -148,10 +148,11 @@ def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memor
                        probe: dict | None = None, sharded: bool = False, latency: float = 1e-6,
                        bandwidth: float = 1e9, gemm: tuple = ()) -> tuple[float, int]:
     """(seconds per exported aten call and pass, calls per forward), from a Llama captured and applied
-    replicated on all ranks, as ``shardplan run`` applies plans: its forward + backward time, less
-    what the cost model charges for its arithmetic and memory traffic at the measured rates (none when
-    they are not given), over 3 x its exported aten calls (the model charges each captured op
-    ``3 x dispatches x op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size. ``sharded``:
+    replicated on all ranks, as ``shardplan run`` applies plans: its training step (forward, backward
+    and the SGD update ``shardplan run`` takes) less what the cost model charges for its arithmetic
+    and memory traffic at the measured rates (none when they are not given), over 3 x its exported
+    aten calls plus one call per parameter update (the model charges each captured op
+    ``3 x dispatches x op_overhead`` and each parameter's update one ``op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size. ``sharded``:
     the probe runs data parallel (every op split by the batch: the per-call cost of sharded DTensors),
     and its modelled price includes the gradient all-reduces at the measured ``latency`` (s) and
     ``bandwidth`` (bytes/s)."""
@@ -175,19 +176,23 @@ def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memor
     calls = sum(op.attr("dispatches", 0) for op in graph.ops)
     rates = Device("measured", peak_flops or 1e18, 1e12, memory_bandwidth or 1e18, gemm_efficiency=gemm)
     cluster = Cluster("measured", rates, (Level("pg", p, bandwidth, latency),))
-    tables = build_tables(graph, AnalyticCostModel(cluster), p)
+    tables = build_tables(graph, AnalyticCostModel(cluster, optimizer="sgd"), p)
     choice = list(data_parallel(tables)) if sharded else replicated(tables)
     modelled = tables.cost_of(choice)  # arithmetic and traffic only: op_overhead is 0 here
     pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))
+
+    updates = sum(graph.tensor(o.tensor).is_param for op in graph.ops for o in op.inputs)
 
     def step():
         out = pm(**kwargs)
         with pm.context():
             out.logits.float().pow(2).mean().backward()
-        for q in module.parameters():
-            q.grad = None
+            with torch.no_grad():
+                for q in module.parameters():
+                    q.add_(q.grad, alpha=-1e-3)
+                    q.grad = None
 
-    return max(_local_time(step, reps, inner=2) - modelled, 0.0) / (3.0 * calls), calls
+    return max(_local_time(step, reps, inner=2) - modelled, 0.0) / (3.0 * calls + updates), calls
 
 
 SKINNY = (8, 32, 128)

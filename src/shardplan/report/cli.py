@@ -4,6 +4,7 @@ and ``clusters``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -269,6 +270,8 @@ def _run(args: argparse.Namespace) -> int:
     from shardplan.execute.launch import is_pipeline_plan, launch_pipeline, prepare_pipeline
 
     cost_model, cluster, devices = _cost_model(args)
+    if isinstance(cost_model, AnalyticCostModel):  # the run trains with plain SGD: price its update and memory
+        cost_model = dataclasses.replace(cost_model, optimizer="sgd")
     files = args.plan or [None]
     if len(files) > 1:
         return _run_several(args, model_name, files, cost_model, cluster, devices)

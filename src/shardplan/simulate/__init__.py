@@ -33,8 +33,10 @@ def simulate(graph, cluster, plan, *, overlap: bool = True, optimizer: bool = Tr
     * ``cluster``: a :class:`~shardplan.cluster.model.Cluster` or a preset name (scaled to the plan's
       devices); it must be the cluster the plan was priced on for the numbers to agree.
     * ``overlap``: False puts every task of a device on one serial timeline (nothing overlaps; the
-      iteration then equals the cost model's ``tables.cost_of(choice)`` when ``optimizer=False``).
-    * ``optimizer``: add an update per parameter tile (``optimizer_name``: adam | sgd_momentum | sgd).
+      iteration then equals the cost model's ``tables.cost_of(choice)``, whose tables price the same
+      optimizer).
+    * ``optimizer``: add an update per parameter tile (``optimizer_name``: adam | sgd_momentum | sgd);
+      False leaves the updates out (the iteration is then shorter than the tables' cost).
     * ``tables``: cost tables of ``graph`` under ``AnalyticCostModel(cluster)`` (optional for a
       ``Plan``; redistribution then uses their merged edges). For many plans of one graph, build a
       :class:`Simulator` once and call ``run``: it itemises every configuration once.

@@ -15,7 +15,8 @@ Per op, in program order (the analytic model's items, ``AnalyticCostModel.node_c
   critical path (priority 1: it runs when the comm stream has no critical work, overlapping the rest
   of the backward pass as DDP/FSDP gradient buckets do);
 * with ``optimizer=True``, an optimizer update per parameter tile after its gradient is reduced, on
-  the compute stream at priority 1 (see :func:`optimizer_seconds`).
+  the compute stream at priority 1 (see :func:`optimizer_seconds`): the model's ``optimizer_update``
+  item, one task per tile. Without overlap the iteration is then the cost tables' ``cost_of``.
 
 Symmetry: under the analytic model every device of an SPMD plan runs the same tasks with the same
 durations (every op's tiles are equal, the cost model prices one device's share), and every member
@@ -29,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardplan.cluster.model import Cluster
-from shardplan.cost.analytic import OPTIMIZER_STATES, AnalyticCostModel
+from shardplan.cost.analytic import AnalyticCostModel, update_seconds
 from shardplan.cost.configs import operand_layouts
 from shardplan.ir.graph import Graph
 from shardplan.plan import Plan
@@ -38,17 +39,9 @@ from shardplan.simulate.result import SimResult, summarise
 
 
 def optimizer_seconds(cluster: Cluster, optimizer: str, param_tile_bytes: float) -> float:
-    """Seconds of one optimizer update of a parameter tile: a memory-bound roofline.
-
-    A fused update reads the weight, its gradient and the ``s`` optimizer states and writes back the
-    weight and the states: ``(3 + 2 s) x tile`` bytes (Adam, s = 2: 7 x tile, e.g. reads p, g, m, v
-    and writes p, m, v as apex ``FusedAdam`` / ``torch.optim.Adam(fused=True)`` do; SGD with momentum:
-    5 x; plain SGD: 3 x), at the device's memory bandwidth, plus one dispatch (``op_overhead``).
-    The FLOPs (about 10 per element for Adam) are far below the memory-bound time on any device.
-    """
-    s = OPTIMIZER_STATES[optimizer]
-    dev = cluster.device
-    return (3.0 + 2.0 * s) * float(param_tile_bytes) / dev.memory_bandwidth + dev.op_overhead
+    """Seconds of one optimizer update of a parameter tile: the analytic model's ``update_seconds``
+    (memory bound, ``(3 + 2 s) x tile`` bytes at the memory bandwidth plus one dispatch)."""
+    return float(update_seconds(cluster.device, optimizer, float(param_tile_bytes)))
 
 
 class OpEntry:
@@ -65,6 +58,8 @@ class OpEntry:
         self.fwd_comm, self.bwd_comm, self.grad_comm = [], [], []
         for it in items:
             fwd, bwd = it.fwd, it.bwd
+            if it.name == "optimizer_update":  # its own tasks, one per parameter (``optimizer=True``)
+                continue
             if it.stream == "compute":
                 fwd_c = fwd_c + fwd
                 bwd_c = bwd_c + bwd
