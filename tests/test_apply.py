@@ -25,7 +25,7 @@ from shardplan.execute import ApplyError, apply  # noqa: E402
 from shardplan.execute.apply import choose_mesh  # noqa: E402
 from shardplan.execute.threaded import run_threaded  # noqa: E402
 from shardplan.plan import Plan  # noqa: E402
-from shardplan.execute.plans import expert_parallel, odd, tensor_parallel  # noqa: E402
+from shardplan.execute.plans import expert_parallel, half_data_parallel, odd, tensor_parallel  # noqa: E402
 from shardplan.search.baselines import data_parallel  # noqa: E402
 from shardplan.search.solve import solve  # noqa: E402
 
@@ -284,6 +284,33 @@ def test_flattened_channel_split_keeps_the_weight_gradient_sharded(models):
             assert all(g == p or (p.is_replicate() and g.is_partial()) for p, g in zip(placed, grad_placed)), name
         out_f, in_f = module.fc1.weight.shape
         assert per_param["fc1.weight"][2] == (out_f, in_f // 2)  # this rank's columns only
+
+
+def test_a_tensor_read_by_several_modules_moves_once_per_layout(models, monkeypatch):
+    """Data parallel for the first half of Llama's ops, replicated after: the replicated layers'
+    q, k and v projections (and gate and up) read one batch-split hidden state, which is gathered
+    once for all of them in each forward, not once per reader; the step still equals single device."""
+    import threading
+
+    module, kwargs, graph, loss, ref = models["llama"]
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=2)), 2)
+    plan = Plan.from_choice(tables, half_data_parallel(tables))
+    moves: dict[int, list] = {}
+    original = DTensor.redistribute
+
+    def counting(self, device_mesh=None, placements=None, **kw):
+        if placements is not None and tuple(self.placements) != tuple(placements):
+            moves.setdefault(threading.get_ident(), []).append((self, tuple(placements)))
+        return original(self, device_mesh, placements, **kw)
+
+    monkeypatch.setattr(DTensor, "redistribute", counting)
+    assert_matches(run_plan(module, kwargs, graph, plan, 2), loss, ref)
+    assert moves
+    for per_rank in moves.values():
+        keys = [(id(x), target) for x, target in per_rank]  # the tensors are held in the list: ids are unique
+        assert len(keys) == len(set(keys)), "a tensor was redistributed to the same layout twice"
+    gathers = [x for x, target in next(iter(moves.values())) if x.placements[0].is_shard() and target[0].is_replicate()]
+    assert len(gathers) >= 2  # the plan does move the hidden state into the replicated half
 
 
 def test_view_placements_by_hand():

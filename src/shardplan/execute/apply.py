@@ -24,6 +24,7 @@ every gradient). Plans the runtime cannot honour are refused before anything run
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 
 import torch
@@ -132,6 +133,13 @@ def placements(operand: Operand, opmesh: OpMesh, mesh_shape: tuple[int, ...]) ->
     return out
 
 
+_MOVED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("shardplan_moved", default=None)
+"""Within one forward of a :class:`ParallelModule`: (id of a DTensor, target placements) -> (the
+DTensor, its redistributed copy). A tensor read by several modules that want it in the same layout
+(q, k and v projections of one normed hidden state; gate and up of an MLP) moves once, as the cost
+model's edge into the group prices it, instead of once per reader."""
+
+
 def _to_layout(x, mesh: DeviceMesh, target):
     if not isinstance(x, torch.Tensor) or target is None:
         return x
@@ -140,7 +148,14 @@ def _to_layout(x, mesh: DeviceMesh, target):
     if len(target) and x.ndim <= max((p.dim for p in target if isinstance(p, Shard)), default=-1):
         return x
     if tuple(x.placements) != tuple(target):
-        x = x.redistribute(mesh, target)
+        moved = _MOVED.get()
+        key = (id(x), tuple(target))
+        if moved is not None and key in moved:
+            return moved[key][1]
+        y = x.redistribute(mesh, target)
+        if moved is not None:
+            moved[key] = (x, y)  # holding x keeps its id from being reused during the forward
+        x = y
     return x
 
 
@@ -175,10 +190,14 @@ class ParallelModule(nn.Module):
         self.input_placements = input_placements
 
     def forward(self, *args, **kwargs):
-        with implicit_replication():
-            kwargs = {k: self._input(k, v) for k, v in kwargs.items()}
-            args = tuple(self._input(f"arg{i}", v) for i, v in enumerate(args))
-            return self.module(*args, **kwargs)
+        token = _MOVED.set({})
+        try:
+            with implicit_replication():
+                kwargs = {k: self._input(k, v) for k, v in kwargs.items()}
+                args = tuple(self._input(f"arg{i}", v) for i, v in enumerate(args))
+                return self.module(*args, **kwargs)
+        finally:
+            _MOVED.reset(token)
 
     def _input(self, name, value):
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
