@@ -34,6 +34,7 @@ from shardplan.capture.models import build, parse_config
 from shardplan.cluster import load_cluster
 from shardplan.cost.analytic import AnalyticCostModel
 from shardplan.cost.tables import build_tables
+from shardplan.execute.launch import RUN_OPTIMIZER
 from shardplan.execute.plans import half_data_parallel, mixed, odd, replicated, tensor_parallel
 from shardplan.plan import Plan
 from shardplan.search.baselines import data_parallel
@@ -84,7 +85,7 @@ def main() -> None:
             if cal.returncode:
                 sys.exit(f"shardplan calibrate failed: {cal.stderr.strip()[-500:]}")
             calibrations.append(f"{name}: {cal.stdout.strip().splitlines()[-1]}")
-        model = AnalyticCostModel(load_cluster(cluster_file), optimizer="sgd")  # the runs train with plain SGD
+        model = AnalyticCostModel(load_cluster(cluster_file), optimizer=RUN_OPTIMIZER)
         kw = parse_config(config)
         module, kwargs = build(name, batch=batch, seq=seq, **kw)
         graph = capture(module, (), kwargs, name=name)

@@ -257,12 +257,9 @@ class AnalyticCostModel:
             items.append(self._sync_wait(items, len(configs)))
         params = [t for o, t in zip(op.inputs, tiles) if graph.tensor(o.tensor).is_param]
         if params:  # after the backward pass, so not stretched by a sync point
-            items.append(CostItem("optimizer_update", "compute", True, self._update(params), np.zeros(len(configs))))
+            update = sum(update_seconds(dev, self.optimizer, t) for t in params)
+            items.append(CostItem("optimizer_update", "compute", True, update, np.zeros(len(configs))))
         return items
-
-    def _update(self, tiles: list[np.ndarray]) -> np.ndarray:
-        """The optimizer step on this op's parameter tiles (seconds, (K,)): ``update_seconds`` of each."""
-        return sum(update_seconds(self.cluster.device, self.optimizer, t) for t in tiles)
 
     def _sync_wait(self, items: list[CostItem], K: int) -> CostItem:
         """Waiting for the slowest peer at a sync point: ``sync_stretch x`` the op's compute in each pass

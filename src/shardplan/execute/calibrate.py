@@ -162,6 +162,7 @@ def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memor
     from shardplan.cost.analytic import AnalyticCostModel
     from shardplan.cost.tables import build_tables
     from shardplan.execute.apply import apply
+    from shardplan.execute.launch import RUN_OPTIMIZER
     from shardplan.execute.plans import replicated
     from shardplan.search.baselines import data_parallel
     from shardplan.plan import Plan
@@ -176,7 +177,7 @@ def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memor
     calls = sum(op.attr("dispatches", 0) for op in graph.ops)
     rates = Device("measured", peak_flops or 1e18, 1e12, memory_bandwidth or 1e18, gemm_efficiency=gemm)
     cluster = Cluster("measured", rates, (Level("pg", p, bandwidth, latency),))
-    tables = build_tables(graph, AnalyticCostModel(cluster, optimizer="sgd"), p)
+    tables = build_tables(graph, AnalyticCostModel(cluster, optimizer=RUN_OPTIMIZER), p)
     choice = list(data_parallel(tables)) if sharded else replicated(tables)
     modelled = tables.cost_of(choice)  # arithmetic and traffic only: op_overhead is 0 here
     pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))

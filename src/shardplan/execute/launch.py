@@ -17,6 +17,9 @@ from shardplan.plan import Plan
 from shardplan.search.solve import solve
 
 RUNNABLE = tuple(TORCH_MODELS + HF_MODELS)
+RUN_OPTIMIZER = "sgd"
+"""What ``shardplan run``'s ranks train with (``worker._sgd_step``: ``p -= lr * grad``, no optimizer
+states), so the cost model prices that update and that memory for a run."""
 
 
 def pin_to_core() -> None:

@@ -262,7 +262,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("give --model NAME or --hf NAME")
     try:
         from shardplan.execute.apply import ApplyError
-        from shardplan.execute.launch import launch, prepare
+        from shardplan.execute.launch import RUN_OPTIMIZER, launch, prepare
     except ImportError as exc:
         raise UsageError(f"shardplan run needs PyTorch: pip install 'shardplan[torch]' ({exc})") from None
     from shardplan.plan import PlanError
@@ -270,8 +270,8 @@ def _run(args: argparse.Namespace) -> int:
     from shardplan.execute.launch import is_pipeline_plan, launch_pipeline, prepare_pipeline
 
     cost_model, cluster, devices = _cost_model(args)
-    if isinstance(cost_model, AnalyticCostModel):  # the run trains with plain SGD: price its update and memory
-        cost_model = dataclasses.replace(cost_model, optimizer="sgd")
+    if isinstance(cost_model, AnalyticCostModel):  # price the update and memory of what the run trains with
+        cost_model = dataclasses.replace(cost_model, optimizer=RUN_OPTIMIZER)
     files = args.plan or [None]
     if len(files) > 1:
         return _run_several(args, model_name, files, cost_model, cluster, devices)
