@@ -136,8 +136,9 @@ def placements(operand: Operand, opmesh: OpMesh, mesh_shape: tuple[int, ...]) ->
 _MOVED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("shardplan_moved", default=None)
 """Within one forward of a :class:`ParallelModule`: (id of a DTensor, target placements) -> (the
 DTensor, its redistributed copy). A tensor read by several modules that want it in the same layout
-(q, k and v projections of one normed hidden state; gate and up of an MLP) moves once, as the cost
-model's edge into the group prices it, instead of once per reader."""
+(q, k and v projections of one normed hidden state; gate and up of an MLP) moves once instead of
+once per reader. The cost model still prices one redistribution per reader's edge, an over-estimate
+for such fan-outs (its edges are pairwise, which keeps the exact search's structure)."""
 
 
 def _to_layout(x, mesh: DeviceMesh, target):
