@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from shardplan.cluster import Cluster, Device, Level, collective_seconds, get_cluster
-from shardplan.cost.analytic import AnalyticCostModel
+from shardplan.cost.analytic import GRAD_BUCKET_BYTES, AnalyticCostModel
 from shardplan.cost.tables import build_tables
 from shardplan.ir.builder import GraphBuilder
 from shardplan.search.brute_force import brute_force
@@ -86,9 +86,15 @@ def test_data_parallel_linear_hand_calculation():
     weight = 4 * n * k
     # then Adam's update of the whole weight: read weight, gradient and 2 moments, write 3 of them back
     assert compute == pytest.approx(max(flops / PEAK, bytes_ / HBM) + 7 * weight / HBM, rel=1e-12)
-    assert comm == pytest.approx(2 * 3 * ALPHA0 + 2 * 0.75 * weight / BETA0, rel=1e-12)
+    # the gradient shares a 25 MiB bucket with others: it pays its share of the bucket's latency
+    share = weight / GRAD_BUCKET_BYTES
+    assert comm == pytest.approx(2 * 3 * ALPHA0 * share + 2 * 0.75 * weight / BETA0, rel=1e-12)
     # weight + gradient + two Adam moments, and the output activation kept for backward, and the input
     assert memory == pytest.approx(4 * weight + 4 * batch * n / 4 + 4 * batch * k / 4, rel=1e-12)
+    # reduced one gradient per collective, it pays the whole latency
+    _, _, alone, _ = costs_of(one_linear(batch, k, n), AnalyticCostModel(cluster(), grad_bucket_bytes=None), 4,
+                              "fc", (4, 1, 1))
+    assert alone == pytest.approx(2 * 3 * ALPHA0 + 2 * 0.75 * weight / BETA0, rel=1e-12)
 
 
 def test_column_parallel_linear_needs_no_weight_all_reduce():
@@ -115,7 +121,8 @@ def test_conv_halo_exchange():
     _, _, comm, _ = costs_of(g, model, 2, "conv", tuple(cfg[d.name] for d in g.ops[0].dims))
     halo = 4 * 8 * 16 * 32 * 2  # two ghost rows of the input (batch x channels x width)
     weight = 4 * 16 * 16 * 3 * 3  # replicated over the 2 height shards: its gradient is all-reduced
-    assert comm == pytest.approx(2 * (2 * ALPHA0 + halo / BETA0) + 2 * ALPHA0 + weight / BETA0, rel=1e-12)
+    assert comm == pytest.approx(2 * (2 * ALPHA0 + halo / BETA0) + 2 * ALPHA0 * weight / GRAD_BUCKET_BYTES
+                                 + weight / BETA0, rel=1e-12)
 
 
 def test_redistribution_edge():
@@ -412,7 +419,8 @@ def test_bias_gradient_is_whole_under_a_reduction_split():
     assert without == pytest.approx(float(collective_seconds(c, "all_reduce", 4 * 64 * 512, c.per_level(4, 1))))
     _, _, dp_bias, _ = costs_of(linear(True), model, 4, "fc", b_split)
     _, _, dp, _ = costs_of(linear(False), model, 4, "fc", b_split)
-    assert dp_bias - dp == pytest.approx(float(collective_seconds(c, "all_reduce", 4 * 512, c.per_level(4, 1))))
+    assert dp_bias - dp == pytest.approx(float(collective_seconds(c, "all_reduce", 4 * 512, c.per_level(4, 1),
+                                                                  4 * 512 / GRAD_BUCKET_BYTES)))
 
 
 def _moe_graph(batch=8, seq=16, features=64, experts=4, ffn=128, top_k=2, kept=12345):
@@ -453,7 +461,10 @@ def test_expert_parallel_moe_by_hand():
     f32 = 4
     _, _, comm, memory = costs_of(g, model, 4, "mlp", (1, 1, 4, 1))
     out, h, router = f32 * 128 * 64, f32 * 128 * 64, f32 * 4 * 64
-    want = sum(float(collective_seconds(c, "all_reduce", n, q)) for n in (out, h, router))
+    def grad(n, group):  # a weight gradient: its share of a bucket's latency
+        return float(collective_seconds(c, "all_reduce", n, group, n / GRAD_BUCKET_BYTES))
+
+    want = sum(float(collective_seconds(c, "all_reduce", n, q)) for n in (out, h)) + grad(router, q)
     assert comm == pytest.approx(want, rel=1e-12)
     w_in, w_out = f32 * 4 * 64 * 256, f32 * 4 * 128 * 64
     experts = w_in + w_out
@@ -462,16 +473,14 @@ def test_expert_parallel_moe_by_hand():
     assert memory == pytest.approx(4 * router + 4 * experts / 4 + out + 12345 / 4, rel=1e-12)
     # pure data parallelism: every weight's gradient all-reduced, no output or input-grad collective
     _, _, dp_comm, dp_memory = costs_of(g, model, 4, "mlp", (4, 1, 1, 1))
-    assert dp_comm == pytest.approx(sum(float(collective_seconds(c, "all_reduce", n, q))
-                                        for n in (router, w_in, w_out)), rel=1e-12)
+    assert dp_comm == pytest.approx(sum(grad(n, q) for n in (router, w_in, w_out)), rel=1e-12)
     assert dp_memory == pytest.approx(4 * router + 4 * experts + out / 4 + 12345 / 4, rel=1e-12)
     # 2 (batch) x 2 (experts): the experts' gradients reduced over the batch pair only, the output
     # half-tiles over the experts pair, the router over all four
     _, _, hy_comm, _ = costs_of(g, model, 4, "mlp", (2, 1, 2, 1))
     pair_e, pair_b = c.per_level(2, 1), c.per_level(2, 2)
     want = (sum(float(collective_seconds(c, "all_reduce", n / 2, pair_e)) for n in (out, h))
-            + float(collective_seconds(c, "all_reduce", router, q))
-            + sum(float(collective_seconds(c, "all_reduce", n / 2, pair_b)) for n in (w_in, w_out)))
+            + grad(router, q) + sum(grad(n / 2, pair_b) for n in (w_in, w_out)))
     assert hy_comm == pytest.approx(want, rel=1e-12)
 
 

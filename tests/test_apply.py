@@ -71,7 +71,10 @@ def make_plan(graph, which, devices):
     return Plan.from_choice(tables, list(choice))
 
 
-def run_plan(module, kwargs, graph, plan, devices):
+def run_plan(module, kwargs, graph, plan, devices, reduce=True):
+    """Every rank's (loss, full gradients) of one step of ``plan``; ``reduce``: the partial gradients
+    are reduced in buckets (``ParallelModule.reduce_gradients``) as ``shardplan run`` reduces them,
+    else DTensor reduces each one when it is read."""
     shape = choose_mesh(graph, plan)
 
     def rank_fn(rank):
@@ -83,6 +86,8 @@ def run_plan(module, kwargs, graph, plan, devices):
         loss = full.float().pow(2).mean()
         with pm.context():
             loss.backward()
+            if reduce:
+                pm.reduce_gradients()
         grads = {}
         for n, p in local.named_parameters():
             if p.grad is not None:
@@ -311,6 +316,45 @@ def test_a_tensor_read_by_several_modules_moves_once_per_layout(models, monkeypa
         assert len(keys) == len(set(keys)), "a tensor was redistributed to the same layout twice"
     gathers = [x for x, target in next(iter(moves.values())) if x.placements[0].is_shard() and target[0].is_replicate()]
     assert len(gathers) >= 2  # the plan does move the hidden state into the replicated half
+
+
+@pytest.mark.parametrize("bucket_bytes", [64 * 1024, 1 << 30])
+def test_partial_gradients_are_reduced_in_buckets(models, bucket_bytes):
+    """Data-parallel Llama on 2 ranks: after the backward pass
+    the replicated weights' gradients are pending sums (Partial); ``reduce_gradients`` all-reduces
+    them in buckets, one collective per bucket, leaving every gradient placed as its parameter and the
+    step equal to single device. Small buckets issue more collectives; one bucket of a GiB issues
+    one per group of gradients pending over the same axes."""
+    from torch.distributed.tensor import Partial
+
+    module, kwargs, graph, loss, ref = models["llama"]
+    plan = make_plan(graph, "data_parallel", 2)
+    seen = {}
+
+    def rank_fn(rank):
+        local = copy.deepcopy(module)
+        pm = apply(local, graph, plan, init_device_mesh("cpu", choose_mesh(graph, plan)))
+        value = pm(**kwargs).logits.full_tensor().float().pow(2).mean()
+        with pm.context():
+            value.backward()
+            pending = [q for q in local.parameters() if any(isinstance(g, Partial) for g in q.grad.placements)]
+            nbytes = [q.grad.to_local().numel() * 4 for q in pending]
+            issued = pm.reduce_gradients(bucket_bytes)
+        seen[rank] = (len(pending), nbytes, issued,
+                      [(tuple(q.placements), tuple(q.grad.placements)) for q in local.parameters()])
+        return value.item(), {n: q.grad.full_tensor() for n, q in local.named_parameters()}
+
+    assert_matches(run_threaded(2, rank_fn), loss, ref)
+    for n_pending, nbytes, issued, placed in seen.values():
+        assert n_pending >= 10  # data parallel: every replicated weight's gradient was pending
+        buckets, size = 1, 0
+        for n in nbytes:  # the greedy packing, by hand
+            if size and size + n > bucket_bytes:
+                buckets, size = buckets + 1, 0
+            size += n
+        assert issued == buckets
+        assert all(p == g for p, g in placed)
+    assert (seen[0][2] == 1) == (bucket_bytes == 1 << 30)
 
 
 def test_view_placements_by_hand():

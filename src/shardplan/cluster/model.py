@@ -183,8 +183,11 @@ class Cluster:
         return np.maximum(np.minimum(last, hi) / np.maximum(first, lo), 1.0)
 
 
-def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels: np.ndarray) -> np.ndarray:
-    """Alpha-beta time of one collective; ``q_levels[..., l]`` members per level (see module doc)."""
+def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels: np.ndarray,
+                       latency_share=1.0) -> np.ndarray:
+    """Alpha-beta time of one collective; ``q_levels[..., l]`` members per level (see module doc).
+    ``latency_share``: the fraction of the collective's latency terms this message pays (a tensor
+    reduced in a bucket with others pays its share of the bucket's; 1 for a collective of its own)."""
     nbytes = np.asarray(nbytes, dtype=np.float64)
     q = np.asarray(q_levels, dtype=np.float64)
     total = np.zeros(np.broadcast_shapes(nbytes.shape, q.shape[:-1]))
@@ -192,12 +195,13 @@ def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels
     for l, lv in enumerate(cluster.levels):
         ql = q[..., l]
         frac = (ql - 1.0) / ql
+        latency = latency_share * lv.latency
         if kind == "all_reduce":
-            total = total + 2.0 * (ql - 1.0) * lv.latency + 2.0 * frac * remaining / lv.bandwidth
+            total = total + 2.0 * (ql - 1.0) * latency + 2.0 * frac * remaining / lv.bandwidth
         elif kind in ("all_gather", "reduce_scatter"):
-            total = total + (ql - 1.0) * lv.latency + frac * remaining / lv.bandwidth
+            total = total + (ql - 1.0) * latency + frac * remaining / lv.bandwidth
         elif kind == "all_to_all":
-            total = total + (ql - 1.0) * lv.latency + frac * nbytes / lv.bandwidth
+            total = total + (ql - 1.0) * latency + frac * nbytes / lv.bandwidth
         else:
             raise ValueError(f"unknown collective {kind!r}")
         remaining = remaining / ql

@@ -46,6 +46,9 @@ CONTRACTIONS = frozenset({"conv", "fc", "einsum", "lstm", "moe"})
 FREE = frozenset({"concat", "stack", "unstack", "reshape", "transpose"})
 KNOWN = CONTRACTIONS | FREE | {"embedding", "pool", "norm", "softmax", "softmax_xent", "reduce_mean",
                                "elementwise"}
+GRAD_BUCKET_BYTES = 25.0 * 1024 * 1024
+"""Bytes per weight-gradient all-reduce bucket: DDP's default (``bucket_cap_mb=25``), and what
+``execute.apply.reduce_gradients`` packs."""
 OPTIMIZER_STATES = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
 """Optimizer state tensors per parameter, each of the parameter's size (Adam: first and second moment)."""
 
@@ -101,6 +104,10 @@ class AnalyticCostModel:
     name: str = "analytic"
     unit: str = "seconds"
     dedup_edges: bool = False
+    grad_bucket_bytes: float | None = GRAD_BUCKET_BYTES
+    """Weight gradients are all-reduced in buckets of this many bytes (DDP, FSDP and ``shardplan run``
+    do), so each pays the latency pro rata, ``tile / grad_bucket_bytes`` of a collective's; None: one
+    all-reduce per gradient, each paying the whole latency."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -227,7 +234,8 @@ class AnalyticCostModel:
                 continue
             q = self.group_levels(configs, strides, missing)
             active = np.any(split[:, missing], axis=1)
-            seconds = np.where(active, collective_seconds(self.cluster, "all_reduce", t, q), 0.0)
+            share = t / self.grad_bucket_bytes if is_param and self.grad_bucket_bytes else 1.0
+            seconds = np.where(active, collective_seconds(self.cluster, "all_reduce", t, q, share), 0.0)
             if is_output:  # forward partial sums
                 items.append(CostItem("output_allreduce", "comm", True, seconds, seconds, o.tensor))
             elif is_param:  # the weight gradient: overlaps the rest of the backward pass (DDP buckets)

@@ -188,6 +188,7 @@ def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memor
         out = pm(**kwargs)
         with pm.context():
             out.logits.float().pow(2).mean().backward()
+            pm.reduce_gradients()
             with torch.no_grad():
                 for q in module.parameters():
                     q.add_(q.grad, alpha=-1e-3)

@@ -140,6 +140,7 @@ def main(argv=None) -> None:
             def forward_backward(pm=pm, kwargs=kwargs):
                 loss = _loss(pm(**kwargs))
                 loss.backward()
+                pm.reduce_gradients()  # the pending data-parallel sums, bucketed as DDP does
                 return loss.item()
 
             runs.append((forward_backward, module.named_parameters, pm.context))
