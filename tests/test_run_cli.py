@@ -95,6 +95,25 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert cluster.device.pool_bandwidth > 0
 
 
+@pytest.mark.parametrize("efficiency, overhead", [(0.64, 2e-5), (1.0, 5e-6), (0.35, 0.0)])
+def test_fit_efficiency_recovers_the_rates_that_made_the_steps(efficiency, overhead):
+    """Two probes, one dispatch-bound and one compute-bound, timed as the model says a device of
+    the given compute efficiency and dispatch cost would run them: the fit gives both back. Each
+    probe's model: GEMM seconds at full rate over the efficiency, or its memory traffic when that is
+    longer (the roofline), plus fixed traffic."""
+    from shardplan.execute.calibrate import fit_efficiency
+
+    probes = [(4e-3, 1e-3, 1.5e-3, 700.0), (40e-3, 2e-3, 4e-3, 900.0)]  # gemm s, roofline floor s, fixed s, units
+
+    def modelled(e):
+        return [max(g / e, floor) + fixed for g, floor, fixed, _ in probes]
+
+    steps = [(m + u * overhead, u) for m, (_, _, _, u) in zip(modelled(efficiency), probes)]
+    e, o = fit_efficiency(steps, modelled)
+    assert e == pytest.approx(efficiency, abs=1e-9)
+    assert o == pytest.approx(overhead, rel=1e-6, abs=1e-12)
+
+
 def _pipeline_plan(tmp_path, model, config, p, chunks, schedule, t=1, batch=4):
     from shardplan.capture import capture
     from shardplan.capture.models import build

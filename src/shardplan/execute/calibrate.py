@@ -13,17 +13,21 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
 * **memory bandwidth**: bytes read plus written by a 64 MB copy per second;
 * **pooling**: bytes of input per second of a 2x2 max pool's forward + backward on a 2 MB
   activation (``pool_bandwidth``; on a CPU core far below the copy bandwidth);
-* **op overhead**: the host-side cost of one aten call beyond its arithmetic: forward + backward of a
-  small captured Llama (``PROBE``) applied replicated with DTensor on the mesh of all ranks, as
-  ``shardplan run`` applies plans, less the model's own price of its arithmetic and traffic at the
-  rates just measured, divided by 3 x its exported aten calls (the cost model charges a captured op
-  ``3 x dispatches x op_overhead``). The same probe run data parallel (every op sharded), less its
-  modelled arithmetic and gradient all-reduces, is kept in the file's comments only
-  (``data_parallel_probe_op_overhead``), as is a tiny Llama's figure. It read 0-22 us against
-  23-39 us replicated, but torch.profiler shows DTensor's dispatch costing the same per call on
-  sharded and replicated tensors (about 40 ms per step of the fidelity Llama in either plan): the
-  residual is swamped by the noise of the modelled all-reduces, so sharded ops are priced at
-  ``op_overhead`` too (``Device.split_op_overhead`` unset);
+* **op overhead and compute efficiency**: two captured Llamas (``PROBE``, dispatch-bound, and
+  ``COMPUTE_PROBE``, mostly arithmetic) applied replicated with DTensor on the mesh of all ranks, as
+  ``shardplan run`` applies plans, each timed for a training step (forward, backward, bucketed
+  gradient reduction, SGD update; the slowest rank's best). A step is modelled as its arithmetic and
+  traffic at the rates above, the compute rates scaled by an ``efficiency``, plus ``units x
+  op_overhead`` (units: 3 x its exported aten calls plus one per parameter update; the cost model
+  charges a captured op ``3 x dispatches x op_overhead``). ``fit_efficiency`` picks the efficiency
+  and overhead that explain both steps. The efficiency is the share of the microbenchmarks' hot-cache
+  rate that a model's GEMMs get inside a step: with efficiency 1 the fidelity models were predicted
+  1.2-1.5x fast, their in-step GEMMs reading operands cold and writing fresh gradients (the CNN's
+  fc1 weight-gradient product: 0.9 ms alone, 3.3 ms in a step). The same small probe run data
+  parallel (every op sharded), less its modelled arithmetic and gradient all-reduces, is kept in
+  the file's comments only (``data_parallel_probe_op_overhead``), as is a tiny Llama's figure.
+  torch.profiler shows DTensor's dispatch costing the same per call on sharded and replicated
+  tensors, so sharded ops are priced at ``op_overhead`` too (``Device.split_op_overhead`` unset);
 * **sync stretch**: how much longer compute takes when every phase of it ends at a sync point
   (each rank waits for its slowest peer): rounds of a matrix product and a small all-reduce, less the
   products alone and the all-reduces alone, over the products' time, the median over repetitions
@@ -144,27 +148,16 @@ def _sync_stretch(reps: int, segments: int = 24) -> float:
     return max(statistics.median(ratios), 0.0)
 
 
-def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
-                       probe: dict | None = None, sharded: bool = False, latency: float = 1e-6,
-                       bandwidth: float = 1e9, gemm: tuple = ()) -> tuple[float, int]:
-    """(seconds per exported aten call and pass, calls per forward), from a Llama captured and applied
-    replicated on all ranks, as ``shardplan run`` applies plans: its training step (forward, backward
-    and the SGD update ``shardplan run`` takes) less what the cost model charges for its arithmetic
-    and memory traffic at the measured rates (none when they are not given), over 3 x its exported
-    aten calls plus one call per parameter update (the model charges each captured op
-    ``3 x dispatches x op_overhead`` and each parameter's update one ``op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size. ``sharded``:
-    the probe runs data parallel (every op split by the batch: the per-call cost of sharded DTensors),
-    and its modelled price includes the gradient all-reduces at the measured ``latency`` (s) and
-    ``bandwidth`` (bytes/s)."""
+def _probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = False):
+    """(best seconds of one training step, captured graph, dispatch units) of a Llama applied on the
+    mesh of all ranks as ``shardplan run`` applies plans: replicated, or data parallel when
+    ``sharded``; the step is forward, backward, the bucketed gradient reduction and the SGD update
+    ``shardplan run`` takes. Dispatch units: 3 x its exported aten calls plus one per parameter
+    update (the cost model charges each captured op ``3 x dispatches x op_overhead`` and each
+    parameter's update one ``op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size."""
     from shardplan.capture import capture
     from shardplan.capture.models import build
-    from shardplan.cluster.model import Cluster, Device, Level
-    from shardplan.cost.analytic import AnalyticCostModel
-    from shardplan.cost.tables import build_tables
     from shardplan.execute.apply import apply
-    from shardplan.execute.launch import RUN_OPTIMIZER
-    from shardplan.execute.plans import replicated
-    from shardplan.search.baselines import data_parallel
     from shardplan.plan import Plan
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -174,14 +167,9 @@ def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memor
     module, kwargs = build("llama", **size)
     module.eval()
     graph = capture(module, (), kwargs, name="llama")
-    calls = sum(op.attr("dispatches", 0) for op in graph.ops)
-    rates = Device("measured", peak_flops or 1e18, 1e12, memory_bandwidth or 1e18, gemm_efficiency=gemm)
-    cluster = Cluster("measured", rates, (Level("pg", p, bandwidth, latency),))
-    tables = build_tables(graph, AnalyticCostModel(cluster, optimizer=RUN_OPTIMIZER), p)
-    choice = list(data_parallel(tables)) if sharded else replicated(tables)
-    modelled = tables.cost_of(choice)  # arithmetic and traffic only: op_overhead is 0 here
+    tables, choice = _probe_tables(graph, p, sharded)
     pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))
-
+    calls = sum(op.attr("dispatches", 0) for op in graph.ops)
     updates = sum(graph.tensor(o.tensor).is_param for op in graph.ops for o in op.inputs)
 
     def step():
@@ -194,7 +182,61 @@ def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memor
                     q.add_(q.grad, alpha=-1e-3)
                     q.grad = None
 
-    return max(_local_time(step, reps, inner=2) - modelled, 0.0) / (3.0 * calls + updates), calls
+    return _local_time(step, reps, inner=2), graph, 3.0 * calls + updates
+
+
+def _probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory_bandwidth: float = 1e18,
+                  efficiency: float = 1.0, gemm: tuple = (), latency: float = 1e-6, bandwidth: float = 1e9):
+    """Cost tables of a probe at the given rates with no dispatch cost (``op_overhead`` 0), and the
+    probe's plan: replicated, or data parallel when ``sharded``."""
+    from shardplan.cluster.model import Cluster, Device, Level
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.tables import build_tables
+    from shardplan.execute.launch import RUN_OPTIMIZER
+    from shardplan.execute.plans import replicated
+    from shardplan.search.baselines import data_parallel
+
+    rates = Device("measured", peak_flops, 1e12, memory_bandwidth, efficiency=efficiency, gemm_efficiency=gemm)
+    cluster = Cluster("measured", rates, (Level("pg", p, bandwidth, latency),))
+    tables = build_tables(graph, AnalyticCostModel(cluster, optimizer=RUN_OPTIMIZER), p)
+    return tables, list(data_parallel(tables)) if sharded else replicated(tables)
+
+
+def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
+                       probe: dict | None = None, sharded: bool = False, latency: float = 1e-6,
+                       bandwidth: float = 1e9, gemm: tuple = (), efficiency: float = 1.0) -> float:
+    """Seconds per dispatch unit of a probe (``_probe_step``): its step less what the cost model
+    charges for its arithmetic, memory traffic and (``sharded``) gradient all-reduces at the measured
+    rates (none when they are not given), over its dispatch units."""
+    seconds, graph, units = _probe_step(p, reps, probe, sharded)
+    tables, choice = _probe_tables(graph, p, sharded, peak_flops or 1e18, memory_bandwidth or 1e18, efficiency,
+                                   gemm, latency, bandwidth)
+    return max(seconds - tables.cost_of(choice), 0.0) / units
+
+
+def fit_efficiency(probes, modelled) -> tuple[float, float]:
+    """(efficiency, op_overhead) that best explain the probes' measured steps.
+
+    ``probes``: (seconds, dispatch units) per probe; ``modelled(e)``: the probes' modelled seconds
+    without dispatch at compute efficiency ``e`` (a list). A step is modelled as
+    ``modelled(e) + units x op_overhead``; for each ``e`` on a grid from 0.2 to 1 (steps of 0.01) the
+    non-negative ``op_overhead`` minimising the squared relative errors is solved in closed form, and
+    the ``e`` with the smallest error wins. A dispatch-bound probe pins the overhead, a compute-bound
+    one the efficiency: the fraction of the microbenchmarks' hot-cache rate that a model's GEMMs get
+    inside a training step (cold operands, freshly written gradients)."""
+    import numpy as np
+
+    t = np.array([s for s, _ in probes], dtype=np.float64)
+    n = np.array([u for _, u in probes], dtype=np.float64)
+    best = (float("inf"), 1.0, 0.0)
+    for e in np.linspace(0.2, 1.0, 81):
+        r = (t - np.array(modelled(float(e)), dtype=np.float64)) / t  # relative residual before dispatch
+        a = n / t
+        o = max(float(np.dot(r, a) / np.dot(a, a)), 0.0)
+        err = float(np.sum((r - o * a) ** 2))
+        if err < best[0] - 1e-15:
+            best = (err, float(e), o)
+    return best[1], best[2]
 
 
 SKINNY = (8, 32, 128)
@@ -211,6 +253,10 @@ PROBE = dict(batch=4, seq=32, hidden_size=128, intermediate_size=512, num_hidden
              num_key_value_heads=8, vocab_size=512)
 """The Llama whose step, less its modelled arithmetic, calibrates the dispatch cost: small enough to be
 dispatch-bound, big enough for realistic tensors (a tiny one reads 4x less per call on this machine)."""
+COMPUTE_PROBE = dict(batch=8, seq=64, hidden_size=192, intermediate_size=768, num_hidden_layers=2,
+                     num_attention_heads=12, num_key_value_heads=12, vocab_size=1024)
+"""A Llama whose step is mostly arithmetic (about 5 GFLOP): with ``PROBE`` it fits the compute
+efficiency as well as the dispatch cost (``fit_efficiency``)."""
 
 
 def measure(reps: int = 10, n: int = 512) -> dict:
@@ -252,20 +298,35 @@ def measure(reps: int = 10, n: int = 512) -> dict:
         beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
     else:
         alpha, beta = 0.0, float("inf")
-    gemm = _curve([skinny[m] for m in SKINNY], n)  # this rank's, for the probes' modelled arithmetic
-    overhead, calls = _dispatch_overhead(p, reps, flops, mem_bw, PROBE, gemm=gemm)
-    split_overhead = (_dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
-                                         bandwidth=beta, gemm=gemm)[0] if p > 1 else overhead)
-    tiny_overhead, _ = _dispatch_overhead(p, reps)
-    stretch = _sync_stretch(reps) if p > 1 else 0.0
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor([flops, mem_bw, conv_flops, pool_bw] + [skinny[m] for m in SKINNY])
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    curve = [list(q) for q in _curve(rates[4:].tolist(), n)]
+    flops, mem_bw = float(rates[0]), float(rates[1])
+    gemm = _curve(rates[4:].tolist(), n)
+    probes = []
+    for size in (PROBE, COMPUTE_PROBE):  # each probe's step on the slowest rank
+        seconds, graph, units = _probe_step(p, reps, size)
+        slowest = torch.tensor([seconds])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        probes.append((float(slowest), graph, units))
+
+    def modelled(e):
+        return [tables.cost_of(choice) for tables, choice in
+                (_probe_tables(g, p, False, flops, mem_bw, e, gemm) for _, g, _ in probes)]
+
+    efficiency, overhead = fit_efficiency([(s, u) for s, _, u in probes], modelled)
+    calls = sum(op.attr("dispatches", 0) for op in probes[0][1].ops)
+    probe_seconds = [s for s, _, _ in probes]
+    split_overhead = (_dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
+                                         bandwidth=beta, gemm=gemm, efficiency=efficiency) if p > 1 else overhead)
+    tiny_overhead = _dispatch_overhead(p, reps)
+    stretch = _sync_stretch(reps) if p > 1 else 0.0
+    curve = [list(q) for q in gemm]
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             "conv_flops": float(rates[2]), "conv_efficiency": float(rates[2] / rates[0]),
             "pool_bandwidth": float(rates[3]),
             "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
+            "efficiency": efficiency, "probe_step_seconds": probe_seconds,
             "data_parallel_probe_op_overhead": split_overhead, "sync_stretch": stretch,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
             "seconds": {"mm": t_mm, "conv": t_conv, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
@@ -276,7 +337,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
 def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
     return {"name": name,
             "device": {"name": "cpu-rank", "peak_flops": m["matmul_flops"], "memory_bytes": memory_bytes,
-                       "memory_bandwidth": m["memory_bandwidth"], "efficiency": 1.0,
+                       "memory_bandwidth": m["memory_bandwidth"], "efficiency": m.get("efficiency", 1.0),
                        "op_overhead": m["op_overhead"], "conv_efficiency": m["conv_efficiency"],
                        "gemm_efficiency": m["gemm_efficiency"], "pool_bandwidth": m["pool_bandwidth"],
                        "sync_stretch": m.get("sync_stretch", 0.0)},
