@@ -528,3 +528,26 @@ def test_optimizer_update_by_hand():
     item = next(it for it in AnalyticCostModel(slow).node_cost_items(g, g.ops[i], tables.configs[i])
                 if it.name == "optimizer_update")
     assert item.stream == "compute" and item.critical and not item.fwd.any()
+
+
+def test_a_tied_weight_is_stepped_once():
+    """GPT's token embedding is read by the lookup and by the output head: the optimizer steps it once
+    (at its first reader), so the update items of a single-device step add up to one update per
+    distinct parameter."""
+    from shardplan.cost.analytic import update_seconds
+    from shardplan.zoo.models import gpt
+
+    g = gpt(layers=2, hidden=128, heads=4, seq=32, batch=4)
+    readers = [o.tensor for op in g.ops for o in op.inputs if g.tensor(o.tensor).is_param]
+    assert len(readers) > len(set(readers))  # the embedding is tied
+    import dataclasses
+
+    c = cluster()
+    c = dataclasses.replace(c, device=dataclasses.replace(c.device, op_overhead=3e-6))
+    model = AnalyticCostModel(c)
+    total = 0.0
+    for op in g.ops:
+        configs = np.ones((1, len(op.dims)), dtype=np.int64)
+        total += sum(float(it.seconds[0]) for it in model.node_cost_items(g, op, configs) if it.name == "optimizer_update")
+    want = sum(update_seconds(c.device, "adam", g.tensor(n).nbytes) for n in set(readers))
+    assert total == pytest.approx(want, rel=1e-12)

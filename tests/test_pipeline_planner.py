@@ -104,6 +104,25 @@ def test_dapple_rule_is_a_restriction_of_the_search():
         plan_pipeline(g, c, schedules=("zb",))
 
 
+@pytest.mark.parametrize("micro_batch", [16, 4, 1])
+def test_the_optimizer_steps_once_per_iteration_not_per_microbatch(micro_batch):
+    """One stage, no data parallelism: the iteration is m x T + S, and the optimizer step is in S
+    once. So Adam's price over plain SGD's is, whatever the number m of microbatches, the two moments
+    read and written once more per parameter: 4 x the 16-bit parameter bytes at the memory bandwidth
+    (both pay the same dispatch per tensor). Each part of the chain (embeddings, layers, head) holds
+    the weights it reads: GPT's tied embedding is stepped in the embeddings and in the head, as
+    Megatron-LM keeps a copy in the first and the last stage."""
+    g, c = small(), get_cluster("dgx-a100", nodes=1)
+    adam = price_fixed(g, c, 1, 1, 1, micro_batch=micro_batch, recompute="none")
+    sgd = price_fixed(g, c, 1, 1, 1, micro_batch=micro_batch, recompute="none", optimizer="sgd")
+    pre, layers, post = layer_chain(g)
+    params = sum(g.tensor(name).numel for part in [pre, *layers, post]
+                 for name in {o.tensor for i in part for o in g.ops[i].inputs if g.tensor(o.tensor).is_param})
+    assert params > sum(t.numel for t in g.tensors if t.is_param)  # the tied embedding, twice
+    assert adam.iteration_seconds - sgd.iteration_seconds == pytest.approx(
+        4 * 2 * params / c.device.memory_bandwidth, rel=1e-9)
+
+
 def test_price_pipeline_reprices_a_plan_exactly():
     """Repricing a searched plan (and a fixed interleaved one) on the same cluster gives its own figures."""
     from shardplan.plan import PipelinePlan

@@ -263,7 +263,9 @@ class AnalyticCostModel:
             items.append(CostItem("lstm_step_collectives", "comm", True, steps, 0.5 * steps))
         if dev.sync_stretch:
             items.append(self._sync_wait(items, len(configs)))
-        params = [t for o, t in zip(op.inputs, tiles) if graph.tensor(o.tensor).is_param]
+        # a tied weight (read by several ops) is stepped once, at its first reader
+        params = [t for o, t in zip(op.inputs, tiles) if graph.tensor(o.tensor).is_param
+                  and graph.ops[graph.first_reader(o.tensor)].name == op.name]
         if params:  # after the backward pass, so not stretched by a sync point
             update = sum(update_seconds(dev, self.optimizer, t) for t in params)
             items.append(CostItem("optimizer_update", "compute", True, update, np.zeros(len(configs))))

@@ -167,7 +167,7 @@ def prepare_pipeline(model: str, config: str, batch: int, seq: int, devices: int
     except PipelineError as exc:
         raise ApplyError(str(exc)) from None
     try:
-        predicted = price_pipeline(graph, cluster, plan).iteration_seconds
+        predicted = price_pipeline(graph, cluster, plan, optimizer=RUN_OPTIMIZER).iteration_seconds
     except ValueError as exc:
         raise PlanError(f"pipeline plan does not match {graph.name!r}: {exc}") from None
     return plan, predicted

@@ -160,6 +160,7 @@ class Graph:
     _tensor_index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
     _producer: dict[str, tuple[int, int]] = field(init=False, repr=False, compare=False)
     _op_index: dict[str, int] = field(init=False, repr=False, compare=False)
+    _first_reader: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         tindex: dict[str, TensorSpec] = {}
@@ -181,6 +182,11 @@ class Graph:
         object.__setattr__(self, "_tensor_index", tindex)
         object.__setattr__(self, "_producer", producer)
         object.__setattr__(self, "_op_index", oindex)
+        first: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            for o in op.inputs:
+                first.setdefault(o.tensor, i)
+        object.__setattr__(self, "_first_reader", first)
 
     # -- lookups -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -213,6 +219,10 @@ class Graph:
     def producer(self, tensor: str) -> tuple[int, int] | None:
         """(op index, output index) that writes ``tensor``, or None for inputs and parameters."""
         return self._producer.get(tensor)
+
+    def first_reader(self, tensor: str) -> int | None:
+        """Index of the first op that reads ``tensor`` (a tied weight is read by several), or None."""
+        return self._first_reader.get(tensor)
 
     def edges(self) -> list[Edge]:
         """Every tensor transfer between two ops (a consumer reading a tensor twice gives two)."""

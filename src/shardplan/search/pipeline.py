@@ -132,11 +132,12 @@ class _Part:
     params: float  # parameters per device (tiles under the chosen plan)
     act_out_bytes: float  # output tiles per device, the generic activation estimate
     boundary_bytes: float  # the last op's output per device (what crosses a stage boundary)
+    update: float = 0.0  # the optimizer step of its parameters: once per iteration, not per microbatch
 
 
 class _Pricer:
-    def __init__(self, graph: Graph, cluster: Cluster, opts_dtype: int = 2):
-        self.graph, self.cluster, self.dtype = graph, cluster, opts_dtype
+    def __init__(self, graph: Graph, cluster: Cluster, opts_dtype: int = 2, optimizer: str = "adam"):
+        self.graph, self.cluster, self.dtype, self.optimizer = graph, cluster, opts_dtype, optimizer
         self.pre, self.layers, self.post = layer_chain(graph)
         self.sig = [self._signature(ops) for ops in self.layers]
         self._cache: dict = {}
@@ -155,7 +156,7 @@ class _Pricer:
         if not ops:
             return _Part(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         sub = sub_graph(self.graph, ops, b, self.dtype, f"{self.graph.name}[{self.graph.ops[ops[0]].name}..]")
-        tables = build_tables(sub, AnalyticCostModel(self.cluster.with_devices(t)), t)
+        tables = build_tables(sub, AnalyticCostModel(self.cluster.with_devices(t), optimizer=self.optimizer), t)
         sol = solve(tables)
         br = tables.breakdown(list(sol.choice))
         core = params = out = 0.0
@@ -177,7 +178,12 @@ class _Pricer:
                 core += float(node.compute[c])
         last = sub.ops[-1]
         boundary = sub.tensor(last.outputs[0].tensor).nbytes / t
-        return _Part(sol.cost, br["compute"], br["comm"], core, params, out, boundary)
+        # the tables price one optimizer step per op; a pipeline steps once per iteration, after the
+        # last microbatch, so the update leaves the per-microbatch time (``_config_arrays`` adds it once)
+        model = AnalyticCostModel(self.cluster.with_devices(t), optimizer=self.optimizer)
+        update = sum(float(it.seconds[0]) for op, cfgs, c in zip(sub.ops, tables.configs, sol.choice)
+                     for it in model.node_cost_items(sub, op, cfgs[c:c + 1]) if it.name == "optimizer_update")
+        return _Part(sol.cost - update, br["compute"] - update, br["comm"], core, params, out, boundary, update)
 
 
 def _layer_act(pricer: _Pricer, part: _Part, t: int, b: int, recompute: str) -> float:
@@ -219,6 +225,8 @@ def _config_arrays(pricer: _Pricer, t: int, d: int, b: int, m: int, opts_list, l
         return c[r_idx + 1] - c[k_idx]
 
     p_layer = np.array([p.params for p in parts])
+    update = (csum(np.array([p.update for p in parts])) + np.where(k_idx == 0, pre.update, 0.0)
+              + np.where(r_idx == L - 1, post.update, 0.0))
     p_stage = csum(p_layer) + np.where(k_idx == 0, pre.params, 0.0) + np.where(r_idx == L - 1, post.params, 0.0)
     boundary = np.array([p.boundary_bytes for p in parts])[r_idx]
     p2p = np.where(r_idx < L - 1, 2.0 * (lv.latency + boundary / lv.bandwidth), 0.0)
@@ -239,6 +247,8 @@ def _config_arrays(pricer: _Pricer, t: int, d: int, b: int, m: int, opts_list, l
             ss = collective_seconds(cl, "all_gather", grad_bytes, dp_q)
         else:
             ss = collective_seconds(cl, "all_reduce", grad_bytes, dp_q)
+        # then the stage's optimizer step, once per iteration (ZeRO: on its 1/d share of the states)
+        ss = ss + update / (d if opts.zero >= 1 and d > 1 else 1)
         w, g, o = model_state_bytes(p_stage, opts, d)
         buf = 2.0 * boundary * t  # an activation-sized communication buffer
         if opts.zero >= 3 and d > 1:
@@ -411,7 +421,7 @@ parallelism; micro-batch 1 and full recomputation as in Megatron-LM's large runs
 
 def price_fixed(graph: Graph, cluster: Cluster, t: int, d: int, p: int, micro_batch: int,
                 recompute: str = "full", zero: int = 0, schedule: str = "1f1b",
-                memory_limit_bytes: float | None = None, chunks: int = 1) -> PipelineResult:
+                memory_limit_bytes: float | None = None, chunks: int = 1, optimizer: str = "adam") -> PipelineResult:
     """A hand-written configuration (uniform partition of the layers into p stages) priced by the same
     model as the search: e.g. Megatron-LM's GPT-3 175B, t = 8, p = 16, micro-batch 1, full
     recomputation (NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh; Narayanan et al.
@@ -419,7 +429,7 @@ def price_fixed(graph: Graph, cluster: Cluster, t: int, d: int, p: int, micro_ba
     start = _time.perf_counter()
     limit = cluster.device.memory_bytes if memory_limit_bytes is None else memory_limit_bytes
     B = next(x.size for op in graph.ops for x in op.dims if x.kind is DimKind.BATCH)
-    pricer = _Pricer(graph, cluster)
+    pricer = _Pricer(graph, cluster, optimizer=optimizer)
     L = len(pricer.layers)
     if L % p or B % (d * micro_batch):
         raise ValueError(f"{L} layers do not split into {p} equal stages, or batch {B} into d={d} x "
@@ -464,15 +474,17 @@ def dapple(graph: Graph, cluster: Cluster, devices: int | None = None,
                          zero_levels=(0,), recompute=("none",))
 
 
-def price_pipeline(graph: Graph, cluster: Cluster, plan, memory_limit_bytes: float | None = None) -> PipelineResult:
+def price_pipeline(graph: Graph, cluster: Cluster, plan, memory_limit_bytes: float | None = None,
+                   optimizer: str = "adam") -> PipelineResult:
     """A :class:`~shardplan.plan.PipelinePlan` (any stage ranges and per-stage options) priced on
     ``cluster`` by the model the search uses: ``(m - 1) max T + sum T + max S`` for GPipe / 1F1B, the
     interleaved formula of the module doc for ``plan.chunks > 1``. Used by ``shardplan run`` to predict a
-    plan file's step time on the machine at hand. Raises ValueError naming a plan that does not match."""
+    plan file's step time on the machine at hand (``optimizer``: the update the stages' time includes,
+    ``shardplan run`` trains with plain SGD). Raises ValueError naming a plan that does not match."""
     from shardplan.cost.memory import inflight_microbatches
 
     start = _time.perf_counter()
-    pricer = _Pricer(graph, cluster)
+    pricer = _Pricer(graph, cluster, optimizer=optimizer)
     L = len(pricer.layers)
     covered = [i for s in plan.stages for i in range(s.layers[0], s.layers[1] + 1)]
     if covered != list(range(L)):
