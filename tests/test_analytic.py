@@ -532,8 +532,8 @@ def test_optimizer_update_by_hand():
 
 def test_a_tied_weight_is_stepped_once():
     """GPT's token embedding is read by the lookup and by the output head: the optimizer steps it once
-    (at its first reader), so the update items of a single-device step add up to one update per
-    distinct parameter."""
+    and memory holds it once (at its first reader, whose placement the runtime gives it), so the
+    update items of a single-device step add up to one update per distinct parameter."""
     from shardplan.cost.analytic import update_seconds
     from shardplan.zoo.models import gpt
 
@@ -551,3 +551,7 @@ def test_a_tied_weight_is_stepped_once():
         total += sum(float(it.seconds[0]) for it in model.node_cost_items(g, op, configs) if it.name == "optimizer_update")
     want = sum(update_seconds(c.device, "adam", g.tensor(n).nbytes) for n in set(readers))
     assert total == pytest.approx(want, rel=1e-12)
+    # and held once: weight, gradient and two Adam moments per distinct parameter
+    held = sum(float(m.nbytes[0]) for op in g.ops
+               for m in model.memory_items(g, op, np.ones((1, len(op.dims)), dtype=np.int64)) if m.kind == "parameter")
+    assert held == pytest.approx(4 * sum(g.tensor(n).nbytes for n in set(readers)), rel=1e-12)

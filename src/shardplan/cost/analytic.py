@@ -159,6 +159,8 @@ class AnalyticCostModel:
             if j < len(op.inputs):
                 spec = graph.tensor(o.tensor)
                 if spec.is_param:  # weight, gradient, optimizer states: resident all the time
+                    if graph.ops[graph.first_reader(o.tensor)].name != op.name:
+                        continue  # a tied weight is held once, placed as its first reader has it
                     items.append(MemoryItem("parameter", o.tensor, t * (2 + OPTIMIZER_STATES[self.optimizer]),
                                             t))
                 elif graph.producer(o.tensor) is None:  # a graph input kept for the backward pass
