@@ -159,7 +159,7 @@ class AnalyticCostModel:
             if j < len(op.inputs):
                 spec = graph.tensor(o.tensor)
                 if spec.is_param:  # weight, gradient, optimizer states: resident all the time
-                    if graph.ops[graph.first_reader(o.tensor)].name != op.name:
+                    if not self.owns(graph, op, o.tensor):
                         continue  # a tied weight is held once, placed as its first reader has it
                     items.append(MemoryItem("parameter", o.tensor, t * (2 + OPTIMIZER_STATES[self.optimizer]),
                                             t))
@@ -265,9 +265,8 @@ class AnalyticCostModel:
             items.append(CostItem("lstm_step_collectives", "comm", True, steps, 0.5 * steps))
         if dev.sync_stretch:
             items.append(self._sync_wait(items, len(configs)))
-        # a tied weight (read by several ops) is stepped once, at its first reader
         params = [t for o, t in zip(op.inputs, tiles) if graph.tensor(o.tensor).is_param
-                  and graph.ops[graph.first_reader(o.tensor)].name == op.name]
+                  and self.owns(graph, op, o.tensor)]
         if params:  # after the backward pass, so not stretched by a sync point
             update = sum(update_seconds(dev, self.optimizer, t) for t in params)
             items.append(CostItem("optimizer_update", "compute", True, update, np.zeros(len(configs))))
@@ -305,6 +304,13 @@ class AnalyticCostModel:
             else:
                 comm += it.seconds
         return NodeCosts(total=compute + comm, compute=compute, comm=comm, memory=memory)
+
+    @staticmethod
+    def owns(graph: Graph, op: Op, param: str) -> bool:
+        """Whether ``op`` is the first reader of ``param``: the op whose memory holds it and whose
+        time includes its optimizer step. A tied weight (GPT's token embedding, read by the lookup
+        and the head) is held and stepped once, placed as its first reader has it (``execute.apply``)."""
+        return graph.ops[graph.first_reader(param)].name == op.name
 
     @staticmethod
     def smallest_gemm_dim(op: Op, configs: np.ndarray) -> np.ndarray:

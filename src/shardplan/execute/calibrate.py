@@ -154,7 +154,7 @@ def _probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = Fa
     ``sharded``; the step is forward, backward, the bucketed gradient reduction and the SGD update
     ``shardplan run`` takes. Dispatch units: 3 x its exported aten calls plus one per parameter
     update (the cost model charges each captured op ``3 x dispatches x op_overhead`` and each
-    parameter's update one ``op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size."""
+    distinct parameter's update one ``op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size."""
     from shardplan.capture import capture
     from shardplan.capture.models import build
     from shardplan.execute.apply import apply
@@ -170,7 +170,7 @@ def _probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = Fa
     tables, choice = _probe_tables(graph, p, sharded)
     pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))
     calls = sum(op.attr("dispatches", 0) for op in graph.ops)
-    updates = sum(graph.tensor(o.tensor).is_param for op in graph.ops for o in op.inputs)
+    updates = len({o.tensor for op in graph.ops for o in op.inputs if graph.tensor(o.tensor).is_param})
 
     def step():
         out = pm(**kwargs)

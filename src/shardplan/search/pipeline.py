@@ -156,7 +156,8 @@ class _Pricer:
         if not ops:
             return _Part(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         sub = sub_graph(self.graph, ops, b, self.dtype, f"{self.graph.name}[{self.graph.ops[ops[0]].name}..]")
-        tables = build_tables(sub, AnalyticCostModel(self.cluster.with_devices(t), optimizer=self.optimizer), t)
+        model = AnalyticCostModel(self.cluster.with_devices(t), optimizer=self.optimizer)
+        tables = build_tables(sub, model, t)
         sol = solve(tables)
         br = tables.breakdown(list(sol.choice))
         core = params = out = 0.0
@@ -180,7 +181,6 @@ class _Pricer:
         boundary = sub.tensor(last.outputs[0].tensor).nbytes / t
         # the tables price one optimizer step per op; a pipeline steps once per iteration, after the
         # last microbatch, so the update leaves the per-microbatch time (``_config_arrays`` adds it once)
-        model = AnalyticCostModel(self.cluster.with_devices(t), optimizer=self.optimizer)
         update = sum(float(it.seconds[0]) for op, cfgs, c in zip(sub.ops, tables.configs, sol.choice)
                      for it in model.node_cost_items(sub, op, cfgs[c:c + 1]) if it.name == "optimizer_update")
         return _Part(sol.cost - update, br["compute"] - update, br["comm"], core, params, out, boundary, update)
