@@ -77,12 +77,13 @@ def test_gather_and_all_to_all():
 
 
 def test_data_parallel_linear_hand_calculation():
-    """Batch split 4 ways: compute on a quarter, weight gradient all-reduced over the 4 replicas."""
+    """Batch split 4 ways: compute on a quarter, weight gradient all-reduced over the 4 replicas. The
+    input is training data, so the backward pass computes the weight gradient only: two GEMMs."""
     batch, k, n = 64, 256, 512
     _, compute, comm, memory = costs_of(one_linear(batch, k, n), AnalyticCostModel(cluster()), 4, "fc",
                                         (4, 1, 1))
-    flops = 3 * 2 * batch * k * n / 4
-    bytes_ = 3 * 4 * (batch * k / 4 + n * k + batch * n / 4)
+    flops = 2 * 2 * batch * k * n / 4
+    bytes_ = 2 * 4 * (batch * k / 4 + n * k + batch * n / 4)
     weight = 4 * n * k
     # then Adam's update of the whole weight: read weight, gradient and 2 moments, write 3 of them back
     assert compute == pytest.approx(max(flops / PEAK, bytes_ / HBM) + 7 * weight / HBM, rel=1e-12)
@@ -95,6 +96,24 @@ def test_data_parallel_linear_hand_calculation():
     _, _, alone, _ = costs_of(one_linear(batch, k, n), AnalyticCostModel(cluster(), grad_bucket_bytes=None), 4,
                               "fc", (4, 1, 1))
     assert alone == pytest.approx(2 * 3 * ALPHA0 + 2 * 0.75 * weight / BETA0, rel=1e-12)
+
+
+def test_first_layer_backward_skips_the_input_gradient():
+    """By hand: a linear that reads training data runs two GEMMs (forward, weight gradient), the same
+    linear fed by another op three (its input gradient too); the forward is one pass of each."""
+    batch, k, n = 64, 256, 512
+    b = GraphBuilder("two")
+    x = b.input("x", (batch, k), ("batch", "features"))
+    h = b.linear(x, k, name="first")
+    b.linear(h, n, name="second")
+    g = b.build()
+    model = AnalyticCostModel(cluster(peak=1e9))  # compute-bound at this rate
+    for op, passes, flops in (("first", 2, 2 * batch * k * k), ("second", 3, 2 * batch * k * n)):
+        i = g.op_index(op)
+        items = model.node_cost_items(g, g.ops[i], np.array([[1, 1, 1]]))
+        compute = next(it for it in items if it.name == "compute")
+        assert float(compute.seconds[0]) == pytest.approx(passes * flops / 1e9, rel=1e-12), op
+        assert float(compute.fwd[0]) == pytest.approx(flops / 1e9, rel=1e-12), op
 
 
 def test_column_parallel_linear_needs_no_weight_all_reduce():
@@ -323,11 +342,11 @@ def test_skinny_products_run_at_the_calibrated_curve():
     _, plain, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(slow), 4, "fc", (4, 1, 1))
     _, curved, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(skinny), 4, "fc", (4, 1, 1))
     update = 7 * 4 * 256 * 512 / HBM  # the optimizer step, memory bound, no GEMM
-    assert plain == pytest.approx(3 * 2 * 64 * 256 * 512 / 4 / 1e9 + update, rel=1e-12)
+    assert plain == pytest.approx(2 * 2 * 64 * 256 * 512 / 4 / 1e9 + update, rel=1e-12)  # a first layer: 2 GEMMs
     assert curved - update == pytest.approx((plain - update) / 0.5, rel=1e-12)
     # a 2-way split leaves m = 32: the curve's point
     _, two, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(skinny), 2, "fc", (2, 1, 1))
-    assert two == pytest.approx(3 * 2 * 64 * 256 * 512 / 2 / 1e9 / 0.6 + update, rel=1e-12)
+    assert two == pytest.approx(2 * 2 * 64 * 256 * 512 / 2 / 1e9 / 0.6 + update, rel=1e-12)
     assert not math.isclose(two, curved)
     back = cluster_from_dict(cluster_to_dict(skinny))
     assert back.device.gemm_efficiency == curve
@@ -337,6 +356,45 @@ def test_skinny_products_run_at_the_calibrated_curve():
     with pytest.raises(ClusterError, match="gemm_efficiency"):
         cluster_from_dict({**cluster_to_dict(skinny), "device": {**cluster_to_dict(skinny)["device"],
                                                                 "gemm_efficiency": "fast"}})
+
+
+def test_convolutions_run_at_their_im2col_shape_curves():
+    """By hand: a 3x3 convolution of 16 -> 32 channels on an 8 x 8 map, batch 8, is an im2col GEMM of
+    M = 8 x 8 x 8 = 512 rows and reduction K = 16 x 9 = 144; its rate is the matmul's x
+    ``conv_efficiency`` x the reduction curve at K x the rows curve at M, each interpolated in log
+    size. A 2-way batch split halves M (a lower point of the rows curve) and leaves K. The curves
+    survive a cluster file; a falling one is refused by name."""
+    import dataclasses
+    import math
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+
+    b = GraphBuilder("conv")
+    x = b.input("x", (8, 16, 8, 8), ("batch", "channels", "height", "width"))
+    b.conv2d(x, 32, 3, padding=1, name="conv")
+    g = b.build()
+    reduction, rows = ((27.0, 0.3), (576.0, 1.0)), ((128.0, 0.6), (2048.0, 1.0))
+    slow = cluster(peak=1e9)  # compute-bound at this rate
+    dev = dataclasses.replace(slow.device, conv_efficiency=0.9, conv_reduction_efficiency=reduction,
+                              conv_rows_efficiency=rows)
+    curved = dataclasses.replace(slow, device=dev)
+    flops = 2.0 * 8 * 32 * 8 * 8 * 16 * 9
+    e_k = 0.3 + 0.7 * math.log(144 / 27) / math.log(576 / 27)
+    names = g.ops[0].dim_names
+    for batch_split, e_m in ((1, 0.6 + 0.4 * math.log(512 / 128) / math.log(16)),
+                             (2, 0.6 + 0.4 * math.log(256 / 128) / math.log(16))):
+        config = tuple(batch_split if n == "batch" else 1 for n in names)
+        update = update_of(g, AnalyticCostModel(curved), 2, "conv", config)
+        _, compute, _, _ = costs_of(g, AnalyticCostModel(curved), 2, "conv", config)
+        # a first layer: forward and weight-gradient convolutions
+        assert compute - update == pytest.approx(2 * flops / batch_split / (1e9 * 0.9 * e_k * e_m), rel=1e-12)
+    back = cluster_from_dict(cluster_to_dict(curved)).device
+    assert (back.conv_reduction_efficiency, back.conv_rows_efficiency) == (reduction, rows)
+    assert "conv_rows_efficiency" not in cluster_to_dict(slow)["device"]
+    with pytest.raises(ClusterError, match="conv_rows_efficiency"):
+        cluster_from_dict({**cluster_to_dict(curved), "device": {**cluster_to_dict(curved)["device"],
+                                                                 "conv_rows_efficiency": [[2048, 1.0], [128, 0.6]]}})
 
 
 def test_sharded_configurations_pay_the_split_dispatch_cost():
@@ -365,8 +423,8 @@ def test_sharded_configurations_pay_the_split_dispatch_cost():
 def test_compute_before_a_sync_point_is_stretched():
     """``sync_stretch`` lengthens an op's compute in each pass that ends in a collective on the critical
     path, and in no other (by hand: a linear whose input is a graph input has one such collective,
-    the forward all-reduce of a split ``in_features``, so its forward compute, a third of its
-    compute, is stretched; data parallel has only the weight-gradient all-reduce, which overlaps the
+    the forward all-reduce of a split ``in_features``, so its forward compute, half of its compute
+    (forward and weight-gradient GEMMs: training data needs no gradient), is stretched; data parallel has only the weight-gradient all-reduce, which overlaps the
     backward pass, and an ``out_features`` split has no collective at all; the optimizer update comes
     after both passes and is never stretched). The field survives a
     cluster file and a negative one is refused by name."""
@@ -380,7 +438,7 @@ def test_compute_before_a_sync_point_is_stretched():
     slow = dataclasses.replace(base, device=dataclasses.replace(base.device, sync_stretch=rho))
     g = one_linear()
     names = g.ops[g.op_index("fc")].dim_names
-    for split, stretched in (({}, 0.0), ({"batch": 4}, 0.0), ({"in_features": 4}, 1 / 3), ({"out_features": 4}, 0.0)):
+    for split, stretched in (({}, 0.0), ({"batch": 4}, 0.0), ({"in_features": 4}, 1 / 2), ({"out_features": 4}, 0.0)):
         config = tuple(split.get(n, 1) for n in names)
         _, plain, comm, _ = costs_of(g, AnalyticCostModel(base), 4, "fc", config)
         _, paid, comm_paid, _ = costs_of(g, AnalyticCostModel(slow), 4, "fc", config)

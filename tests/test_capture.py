@@ -1,6 +1,7 @@
 """Capture of real PyTorch models into the IR: op counts, FLOPs against torch's FlopCounterMode,
 parameter counts against the module, error messages, and that the search plans the result."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -230,6 +231,37 @@ def test_pools_are_priced_at_the_pool_rate_by_hand():
         dataclasses.replace(base.device, pool_bandwidth=0.0)
 
 
+def test_loss_gathers_the_output_whole_by_hand():
+    """A captured graph names its first output (``loss_output``: the last fc's output here, an HF
+    model's logits), which ``shardplan run`` gathers whole for the loss. By hand, on 2 devices of one
+    node: a batch-split last layer pays an all-gather of the whole (4 x 16) fp32 output,
+    ``alpha + (1/2) n / beta``, and so does an out_features split; replicated or an in_features
+    split (its output summed whole by the forward all-reduce) pays none. The loss's own memory
+    traffic is the same in every configuration; ops before the last pay none of it."""
+
+    m, kw = build("torch_mlp")
+    g = capture(m, (), kw, name="torch_mlp")
+    last = g.ops[-1]
+    assert g.hint("loss_output") == last.outputs[0].tensor
+    c = get_cluster("dgx-a100", devices=2)
+    model = AnalyticCostModel(c)
+    lv = c.levels[0]
+    n = 4 * 4 * 16  # batch 4 x 16 classes, fp32
+    names = last.dim_names
+    by = {}
+    for split in ({}, {"batch": 2}, {"in_features": 2}, {"out_features": 2}):
+        config = np.array([[split.get(d, 1) for d in names]])
+        items = {it.name: float(it.seconds[0]) for it in model.node_cost_items(g, last, config)}
+        by[tuple(split)] = items
+    assert by[()]["loss_gather"] == 0.0 and by[("in_features",)]["loss_gather"] == 0.0
+    assert by[("batch",)]["loss_gather"] == pytest.approx(lv.latency + 0.5 * n / lv.bandwidth, rel=1e-12)
+    assert by[("out_features",)]["loss_gather"] == pytest.approx(lv.latency + 0.5 * n / lv.bandwidth, rel=1e-12)
+    assert len({items["loss"] for items in by.values()}) == 1 and by[()]["loss"] > 0
+    # a hand-built graph has no loss output: no such items
+    assert all(it.name not in ("loss", "loss_gather") for op in g.ops[:-1]
+               for it in model.node_cost_items(g, op, np.ones((1, len(op.dims)), dtype=int)))
+
+
 @pytest.mark.parametrize("name", ["torch_cnn", "llama", "gpt2"])
 def test_dispatches_cover_every_exported_call_once(name):
     """Every aten call of the exported program is charged, as a dispatch, to exactly one IR op."""
@@ -257,7 +289,6 @@ def test_folded_norm_scale_gradient_is_reduced_over_the_batch_only():
     """Llama's post-attention RMSNorm scale rides on gate_proj (unindexed). Column-splitting gate_proj
     reduces its input gradient at the op (apply does), so the scale needs no all-reduce of its own;
     a batch split still all-reduces it (data parallelism)."""
-    import numpy as np
 
     from shardplan.cluster.presets import get_cluster
     from shardplan.cost.analytic import AnalyticCostModel

@@ -59,7 +59,8 @@ def test_compare_cli_json(capsys):
             continue
         assert set(row) >= {"cost", "simulated_seconds", "search_seconds", "peak_memory_bytes"}
         assert math.isfinite(row["simulated_seconds"]) and row["peak_memory_bytes"] > 0
-    assert out["methods"]["exact"]["cost"] <= min(r["cost"] for r in out["methods"].values() if r["cost"] is not None)
+    best = min(r["cost"] for r in out["methods"].values() if r["cost"] is not None)
+    assert out["methods"]["exact"]["cost"] <= best * (1 + 1e-12)  # a tie may differ in the last bit (sum order)
     assert main(["compare", "--model", "nosuch", "--devices", "8"]) == 2
     assert "unknown model 'nosuch'" in capsys.readouterr().err
 

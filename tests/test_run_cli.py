@@ -93,6 +93,23 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert cluster.levels[0].bandwidth > 0 and cluster.levels[0].latency >= 0
     assert cluster.device.sync_stretch >= 0
     assert cluster.device.pool_bandwidth > 0
+    # the convolution curves: the reference point (K = 576, M = 2048) is 1 by definition
+    assert [k for k, _ in cluster.device.conv_reduction_efficiency] == [27.0, 144.0, 576.0]
+    assert [m for m, _ in cluster.device.conv_rows_efficiency] == [128.0, 512.0, 2048.0, 8192.0]
+    assert dict(cluster.device.conv_reduction_efficiency)[576.0] == 1.0 == dict(cluster.device.conv_rows_efficiency)[2048.0]
+
+
+def test_conv_curves_by_hand():
+    """Rates of the calibrated convolutions (FLOP/s by in channels, batch, map side, input gradient)
+    give the reference rate and each curve as rates over its own reference point: by im2col
+    K = in channels x 9 without input gradients, by M = batch x side^2 with them."""
+    from shardplan.execute.calibrate import CONV_SHAPES, conv_curves
+
+    rates = dict(zip(CONV_SHAPES, [2e9, 6e9, 8e9, 10e9, 11e9, 8e9, 6e9]))
+    ref, reduction, rows = conv_curves(rates)
+    assert ref == 10e9
+    assert reduction == [[27.0, 0.25], [144.0, 0.75], [576.0, 1.0]]  # over the first-layer reference (8e9)
+    assert rows == [[128.0, 0.6], [512.0, 0.8], [2048.0, 1.0], [8192.0, 1.1]]
 
 
 @pytest.mark.parametrize("efficiency, overhead", [(0.64, 2e-5), (1.0, 5e-6), (0.35, 0.0)])

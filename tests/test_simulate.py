@@ -247,6 +247,7 @@ def test_optimizer_updates_follow_their_gradients_and_cost_the_roofline():
 
 
 def test_items_split_compute_a_third_forward_for_contractions():
+    """A contraction's forward is a third of its compute (a first layer's half), other ops' half."""
     g, cl, tables, label, choice = CASES[2]  # alexnet
     model = AnalyticCostModel(cl)
     seen = set()
@@ -257,7 +258,9 @@ def test_items_split_compute_a_third_forward_for_contractions():
             comp = [it for it in items if it.stream == "compute"]
             assert np.array_equal(sum(it.seconds for it in comp), nc.compute)
             share = comp[0].fwd / comp[0].seconds
-            assert np.allclose(share, 1 / 3 if op.kind in CONTRACTIONS else 1 / 2)
+            first = all(g.tensor(o.tensor).is_param or g.producer(o.tensor) is None for o in op.inputs)
+            # a contraction runs 3 GEMMs, one forward; a first layer (reads training data) 2
+            assert np.allclose(share, 1 / 3 if op.kind in CONTRACTIONS and not first else 1 / 2), op.name
             seen.add(op.kind in CONTRACTIONS)
             comm = sum((it.seconds for it in items if it.stream == "comm"), np.zeros(len(nc.comm)))
             assert np.allclose(comm, nc.comm, rtol=1e-15, atol=0)

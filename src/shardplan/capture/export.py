@@ -69,6 +69,7 @@ class _Capture(HeavyOps):
         self.labels: dict[str, tuple[str, ...]] = {}
         self.ops: list[Op] = []
         self.vals: dict[str, _Val] = {}
+        self.loss_output: str | None = None
         self.attached: set[str] = set()
         self.op_names: dict[str, int] = {}
         self.cheap_bytes: dict[str, int] = {}  # folded compute node -> bytes of its output
@@ -210,6 +211,8 @@ class _Capture(HeavyOps):
             elif node.op == "call_function":
                 self.nodes_seen += 1
                 self.visit(node)
+            elif node.op == "output":
+                self.loss_output = self._first_output(node)
         if self.ops and self.nodes_seen > self.nodes_charged:  # calls after the last op: charge it
             last = self.ops[-1]
             attrs = dict(last.attrs)
@@ -219,12 +222,21 @@ class _Capture(HeavyOps):
         for name, lims in self.limits.items():
             t = self.tensors[name]
             self.tensors[name] = replace(t, split_limits=tuple(lims.get(a, 0) for a in range(len(t.shape))))
+        loss = (("loss_output", self.loss_output),) if self.loss_output else ()
         graph = Graph(self.name, tuple(self.ops), tuple(self.tensors.values()),
-                      meta=(("captured", True), ("params", params)))
+                      meta=(("captured", True), ("params", params)) + loss)
         try:
             return graph.verify()
         except GraphError as exc:  # a capture bug, not a user error: say where
             raise CaptureError(f"captured graph of {self.name!r} is inconsistent: {exc}") from None
+
+    def _first_output(self, node: fx.Node) -> str | None:
+        """The IR tensor the model's first output (a transformers model's ``logits``) comes from, when
+        an op produces it: ``shardplan run`` gathers it whole on every rank for the loss."""
+        leaves = [a for a in torch.utils._pytree.tree_leaves(node.args[0]) if isinstance(a, fx.Node)]
+        v = self.vals.get(leaves[0].name) if leaves else None
+        src = v.source if v is not None else None
+        return src if src is not None and any(src in {o.tensor for o in op.outputs} for op in self.ops) else None
 
     def visit(self, node: fx.Node) -> None:
         base = _base(node.target)

@@ -71,14 +71,22 @@ class Device:
     calibrate`` (on one CPU core a (16 x 1024) @ (1024 x 1024) product runs at about a fifth of a
     512-cubed one's rate)."""
 
+    conv_reduction_efficiency: tuple[tuple[float, float], ...] = ()
+    """A convolution's FLOP rate, relative to ``conv_efficiency``'s reference convolution, by its local
+    reduction length ``K = in_channels x kernel_h x kernel_w`` (the inner dim of the convolution seen
+    as an im2col GEMM): ``((K_1, e_1), ...)`` with rising ``K``, interpolated in ``log K`` as
+    ``gemm_efficiency``; empty = 1. Measured by ``shardplan calibrate``: on one CPU core a 3x3
+    convolution of 3 input channels (``K = 27``, a CNN's first layer) runs at about a third of the
+    rate of one of 64 (``K = 576``)."""
+    conv_rows_efficiency: tuple[tuple[float, float], ...] = ()
+    """The same by the convolution's local output rows ``M = batch x height x width`` (the im2col
+    GEMM's row count); empty = 1. A data-parallel shard of a convolution has half the rows of the
+    whole one and, on one CPU core, runs 5-10% below its rate; a 4 x 4 map of batch 8 (``M = 128``)
+    at about two thirds of it."""
+
     def __post_init__(self) -> None:
-        pts = self.gemm_efficiency
-        if not isinstance(pts, tuple) or any(not isinstance(q, tuple) or len(q) != 2 or not q[0] > 0 or not q[1] > 0
-                                             for q in pts):
-            raise ClusterError(f"device.gemm_efficiency must be a list of [smallest dim, efficiency] pairs "
-                               f"of positive numbers, got {pts!r}")
-        if any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):
-            raise ClusterError(f"device.gemm_efficiency must list rising dimensions, got {pts!r}")
+        for name in ("gemm_efficiency", "conv_reduction_efficiency", "conv_rows_efficiency"):
+            _check_curve(name, getattr(self, name))
         for f in ("peak_flops", "memory_bytes", "memory_bandwidth"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
@@ -208,12 +216,27 @@ def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels
     return total
 
 
-def gemm_factor(device: Device, smallest) -> np.ndarray:
-    """``device.gemm_efficiency`` at the smallest local dims ``smallest`` (an array): log-linear
-    between the measured points, the end values outside them, 1 without points."""
-    m = np.asarray(smallest, dtype=np.float64)
-    if not device.gemm_efficiency:
+def _check_curve(name: str, pts) -> None:
+    """A device efficiency curve: a tuple of (size, efficiency) pairs of positive numbers, sizes rising."""
+    if not isinstance(pts, tuple) or any(not isinstance(q, tuple) or len(q) != 2 or not q[0] > 0 or not q[1] > 0
+                                         for q in pts):
+        raise ClusterError(f"device.{name} must be a list of [size, efficiency] pairs of positive numbers, "
+                           f"got {pts!r}")
+    if any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):
+        raise ClusterError(f"device.{name} must list rising sizes, got {pts!r}")
+
+
+def curve_factor(points: tuple[tuple[float, float], ...], sizes) -> np.ndarray:
+    """An efficiency curve (``Device.gemm_efficiency`` and the convolution curves) at ``sizes`` (an
+    array): log-linear between the measured points, the end values outside them, 1 without points."""
+    m = np.asarray(sizes, dtype=np.float64)
+    if not points:
         return np.ones_like(m)
-    xs = np.log([q[0] for q in device.gemm_efficiency])
-    ys = np.array([q[1] for q in device.gemm_efficiency])
+    xs = np.log([q[0] for q in points])
+    ys = np.array([q[1] for q in points])
     return np.interp(np.log(np.maximum(m, 1.0)), xs, ys)
+
+
+def gemm_factor(device: Device, smallest) -> np.ndarray:
+    """``device.gemm_efficiency`` at the smallest local dims ``smallest`` (an array)."""
+    return curve_factor(device.gemm_efficiency, smallest)

@@ -77,6 +77,7 @@ def get_cluster(name_or_path: str, nodes: int | None = None, devices: int | None
 
 _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memory_bandwidth": float,
                   "efficiency": float, "op_overhead": float, "conv_efficiency": float, "gemm_efficiency": list,
+                  "conv_reduction_efficiency": list, "conv_rows_efficiency": list,
                   "split_op_overhead": float, "sync_stretch": float,
                   "pool_bandwidth": float}
 _LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float}
@@ -134,12 +135,13 @@ def cluster_from_dict(raw: Any, source: str = "cluster") -> Cluster:
             levels.append(Level(**f))
         except ClusterError as exc:
             raise ClusterError(f"{source}: levels[{i}]: {exc}") from None
-    if "gemm_efficiency" in dev:
-        try:
-            dev["gemm_efficiency"] = tuple((float(m), float(e)) for m, e in dev["gemm_efficiency"])
-        except (TypeError, ValueError):
-            raise ClusterError(f"{source}: device.gemm_efficiency must be a list of [smallest dim, efficiency] "
-                               f"pairs, got {dev['gemm_efficiency']!r}") from None
+    for curve in ("gemm_efficiency", "conv_reduction_efficiency", "conv_rows_efficiency"):
+        if curve in dev:
+            try:
+                dev[curve] = tuple((float(m), float(e)) for m, e in dev[curve])
+            except (TypeError, ValueError):
+                raise ClusterError(f"{source}: device.{curve} must be a list of [size, efficiency] pairs, "
+                                   f"got {dev[curve]!r}") from None
     try:
         device = Device(**dev)
     except ClusterError as exc:
@@ -173,7 +175,9 @@ def cluster_to_dict(cluster: Cluster) -> dict:
             "device": {"name": d.name, "peak_flops": d.peak_flops, "memory_bytes": d.memory_bytes,
                        "memory_bandwidth": d.memory_bandwidth, "efficiency": d.efficiency,
                        "op_overhead": d.op_overhead, "conv_efficiency": d.conv_efficiency,
-                       **({"gemm_efficiency": [list(q) for q in d.gemm_efficiency]} if d.gemm_efficiency else {}),
+                       **{curve: [list(q) for q in getattr(d, curve)] for curve in
+                          ("gemm_efficiency", "conv_reduction_efficiency", "conv_rows_efficiency")
+                          if getattr(d, curve)},
                        **({"split_op_overhead": d.split_op_overhead} if d.split_op_overhead is not None else {}),
                        **({"sync_stretch": d.sync_stretch} if d.sync_stretch else {}),
                        **({"pool_bandwidth": d.pool_bandwidth} if d.pool_bandwidth is not None else {})},

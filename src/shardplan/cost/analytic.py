@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardplan.cluster.model import Cluster, collective_seconds, gemm_factor
+from shardplan.cluster.model import Cluster, collective_seconds, curve_factor, gemm_factor
 from shardplan.cost.configs import ConfigSpace, operand_layouts
 from shardplan.cost.pase import redistribution_words
 from shardplan.cost.tables import NodeCosts
@@ -192,14 +192,21 @@ class AnalyticCostModel:
         tiles = [self.tile_bytes(graph, op, configs, o) for o in operands]
 
         factor = 3.0 if op.kind in CONTRACTIONS else 2.0
+        # a contraction that reads only graph inputs and weights (a first layer) computes no input
+        # gradient: forward plus the weight-gradient GEMM
+        passes = factor - 1.0 if op.kind in CONTRACTIONS and self._reads_only_inputs(graph, op) else factor
         flops = 0.0 if op.kind == "embedding" else op.flops  # a lookup is a gather, not a GEMM
         rate = dev.peak_flops * dev.efficiency * (dev.conv_efficiency if op.kind == "conv" else 1.0)
         if dev.gemm_efficiency and op.kind in ("fc", "einsum", "moe"):
             rate = rate * gemm_factor(dev, self.smallest_gemm_dim(op, c))
-        compute = np.maximum(factor * flops / procs / rate,
-                             factor * sum(tiles) / dev.memory_bandwidth) + self._dispatch(op, factor, procs)
-        # forward is one of the `factor` passes (contractions: 1 GEMM of 3; others: 1 of 2)
-        items = [CostItem("compute", "compute", True, compute, compute / factor)]
+        if op.kind == "conv" and (dev.conv_reduction_efficiency or dev.conv_rows_efficiency):
+            rows, reduction = self.conv_gemm_dims(op, c)
+            rate = rate * curve_factor(dev.conv_reduction_efficiency, reduction) * curve_factor(
+                dev.conv_rows_efficiency, rows)
+        compute = np.maximum(passes * flops / procs / rate,
+                             passes * sum(tiles) / dev.memory_bandwidth) + self._dispatch(op, factor, procs)
+        # forward is one of the passes (contractions: 1 GEMM of 3, or of 2 for a first layer; others: 1 of 2)
+        items = [CostItem("compute", "compute", True, compute, compute / passes)]
         n_folded = op.attr("folded_ops", 0)
         if n_folded:
             folded, fwd = self._folded(op, procs)
@@ -263,6 +270,10 @@ class AnalyticCostModel:
         if op.kind == "lstm":
             steps = self._lstm_steps(graph, op, configs, c, strides)
             items.append(CostItem("lstm_step_collectives", "comm", True, steps, 0.5 * steps))
+        loss = graph.hint("loss_output")
+        for o, t in zip(op.outputs, tiles[len(op.inputs):]):
+            if o.tensor == loss:
+                items.extend(self._loss_items(graph, op, o, t, configs, strides, split))
         if dev.sync_stretch:
             items.append(self._sync_wait(items, len(configs)))
         params = [t for o, t in zip(op.inputs, tiles) if graph.tensor(o.tensor).is_param
@@ -271,6 +282,23 @@ class AnalyticCostModel:
             update = sum(update_seconds(dev, self.optimizer, t) for t in params)
             items.append(CostItem("optimizer_update", "compute", True, update, np.zeros(len(configs))))
         return items
+
+    def _loss_items(self, graph: Graph, op: Op, out, tile: np.ndarray, configs: np.ndarray, strides,
+                    split: np.ndarray) -> list[CostItem]:
+        """The training step's loss on a captured graph's output (``graph.hint("loss_output")``), as
+        ``shardplan run`` computes it: the output gathered whole on every rank (an all-gather over the
+        split dims it has; dims it lacks were summed by its forward all-reduce), then the loss,
+        ``mean(y^2)``, on the whole tensor: read and written about 3 times forward and 3 times
+        backward at memory bandwidth, 2 aten calls per pass. The gather's backward is a local slice."""
+        present = [i for i, n in enumerate(op.dim_names) if n in set(out.dims())]
+        q = self.group_levels(configs, strides, present)
+        members = np.prod(np.where(split[:, present], configs[:, present], 1).astype(np.float64), axis=1)
+        whole = graph.tensor(out.tensor).nbytes
+        gather = np.where(members > 1, collective_seconds(self.cluster, "all_gather", tile * members, q), 0.0)
+        dev = self.cluster.device
+        work = np.full(len(configs), 6.0 * whole / dev.memory_bandwidth + 3.0 * 2 * dev.op_overhead)
+        return [CostItem("loss_gather", "comm", True, gather, gather, out.tensor),
+                CostItem("loss", "compute", True, work, 0.5 * work)]
 
     def _sync_wait(self, items: list[CostItem], K: int) -> CostItem:
         """Waiting for the slowest peer at a sync point: ``sync_stretch x`` the op's compute in each pass
@@ -333,6 +361,26 @@ class AnalyticCostModel:
             n, k = local.get("cols", 1.0), local.get("inner", 1.0)
             m = local.get("seq", local.get("rows", 1.0))
         return np.minimum(np.minimum(m, n), k) * np.ones(len(configs))
+
+    @staticmethod
+    def _reads_only_inputs(graph: Graph, op: Op) -> bool:
+        """True when every input of ``op`` is a parameter or a graph input (training data, which needs
+        no gradient): its backward pass computes the weight gradients only."""
+        return all(graph.tensor(o.tensor).is_param or graph.producer(o.tensor) is None for o in op.inputs)
+
+    @staticmethod
+    def conv_gemm_dims(op: Op, configs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A convolution's local im2col GEMM dims per configuration: rows ``M`` (the product of its
+        batch and spatial dims) and reduction length ``K`` (in channels x kernel height x width, its
+        reduction dims), each (K,) after the configuration's splits."""
+        rows = np.ones(len(configs))
+        reduction = np.ones(len(configs))
+        for i, d in enumerate(op.dims):
+            if d.kind in (DimKind.BATCH, DimKind.SPATIAL):
+                rows = rows * (d.size / configs[:, i])
+            elif d.kind is DimKind.REDUCTION:
+                reduction = reduction * (d.size / configs[:, i])
+        return rows, reduction
 
     def _dispatch(self, op: Op, factor: float, procs: np.ndarray) -> np.ndarray:
         """Host-side dispatch of ``op`` per step and configuration: ``factor`` passes of ``op_overhead``

@@ -8,8 +8,11 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
 * **skinny products**: ``(m x 1024) @ (1024 x 1024)`` for m in ``SKINNY``, each rate over the
   square product's written as ``gemm_efficiency`` (the cost model interpolates it by a product's
   smallest local dim: small shards of a GEMM run well below the large-matmul rate);
-* **convolutions**: a 3x3 convolution (batch 8, 32 -> 64 channels, 16 x 16) forward and backward,
-  its FLOP rate over the matmul's written as ``conv_efficiency``;
+* **convolutions**: 3x3 convolutions forward and backward (``CONV_SHAPES``): a reference one's FLOP
+  rate over the matmul's written as ``conv_efficiency``, and the rates of others over the
+  reference's by their im2col reduction length ``K`` (in channels x 9) and row count ``M`` (batch x
+  map) written as ``conv_reduction_efficiency`` and ``conv_rows_efficiency`` (on one CPU core a
+  first layer's 3 input channels run at about a third of the reference rate);
 * **memory bandwidth**: bytes read plus written by a 64 MB copy per second;
 * **pooling**: bytes of input per second of a 2x2 max pool's forward + backward on a 2 MB
   activation (``pool_bandwidth``; on a CPU core far below the copy bandwidth);
@@ -249,6 +252,47 @@ def _curve(efficiencies, n: int) -> tuple[tuple[float, float], ...]:
     return tuple((float(m), min(float(e), 1.0)) for m, e in zip(SKINNY, efficiencies)) + ((float(n), 1.0),)
 
 
+CONV_REFERENCE = (64, 8, 16, True)
+"""(in channels, batch, map side, input needs a gradient) of the reference 3x3 convolution (64 output
+channels, padding 1): an im2col GEMM of ``M = 8 x 16 x 16 = 2048`` rows and reduction
+``K = 64 x 9 = 576``. Its FLOP rate sets ``conv_efficiency``."""
+CONV_SHAPES = ((3, 8, 16, False), (16, 8, 16, False), (64, 8, 16, False), CONV_REFERENCE, (64, 32, 16, True),
+               (64, 8, 8, True), (64, 8, 4, True))
+"""The convolutions timed. The reduction curve: the reference's with 3, 16 and 64 input channels
+(``K`` = 27, 144, 576), each reading an input that needs no gradient (forward and weight gradient),
+as a network's first layer, the one with few channels, runs; the input-gradient convolution of a
+3-channel map is a slow kernel that a first layer never runs. The rows curve: the reference with
+8192, 2048, 512 and 128 rows, all three passes."""
+
+
+def _conv_rate(cin: int, batch: int, side: int, input_grad: bool, reps: int) -> float:
+    """FLOP/s of a 3x3 convolution (``cin`` -> 64 channels, padding 1, a ``batch x cin x side x side``
+    input) forward and backward: three convolutions of ``2 M N K`` FLOPs, or two when the input
+    needs no gradient."""
+    conv = torch.nn.Conv2d(cin, 64, 3, padding=1)
+    img = torch.randn(batch, cin, side, side, requires_grad=input_grad)
+
+    def step():
+        conv(img).sum().backward()
+
+    passes = 3.0 if input_grad else 2.0
+    return passes * 2.0 * batch * side * side * 64 * cin * 9 / _local_time(step, reps, inner=2)
+
+
+def conv_curves(rates: dict) -> tuple[float, list, list]:
+    """(reference rate, reduction curve, rows curve) from ``CONV_SHAPES``' FLOP rates: each curve a
+    list of [size, rate over the rate of its own reference point], rising sizes
+    (``Device.conv_reduction_efficiency``: ``K`` = in channels x 9 at the reference's rows, without
+    input gradients; ``Device.conv_rows_efficiency``: ``M`` = batch x side^2 at the reference's
+    ``K``, with them)."""
+    cin0, batch0, side0, _ = CONV_REFERENCE
+    first = {cin * 9: r for (cin, b, s, g), r in rates.items() if (b, s, g) == (batch0, side0, False)}
+    inner = {b * s * s: r for (cin, b, s, g), r in rates.items() if cin == cin0 and g}
+    reduction = [[float(k), float(r / first[cin0 * 9])] for k, r in sorted(first.items())]
+    rows = [[float(m), float(r / inner[batch0 * side0 * side0])] for m, r in sorted(inner.items())]
+    return float(rates[CONV_REFERENCE]), reduction, rows
+
+
 PROBE = dict(batch=4, seq=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=512)
 """The Llama whose step, less its modelled arithmetic, calibrates the dispatch cost: small enough to be
@@ -269,14 +313,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     for m in SKINNY:
         x = torch.randn(m, 1024)
         skinny[m] = 2.0 * m * 1024 * 1024 / _local_time(lambda: torch.mm(x, w), reps) / flops
-    conv = torch.nn.Conv2d(32, 64, 3, padding=1)
-    img = torch.randn(8, 32, 16, 16, requires_grad=True)
-
-    def conv_step():
-        conv(img).sum().backward()
-
-    t_conv = _local_time(conv_step, reps)
-    conv_flops = 3.0 * 2.0 * 8 * 64 * 16 * 16 * 32 * 9 / t_conv  # forward + two backward convolutions
+    conv_rates = {shape: _conv_rate(*shape, reps) for shape in CONV_SHAPES}
     pool_in = torch.randn(8, 64, 32, 32, requires_grad=True)  # 2 MB: a CNN's pooled activation
 
     def pool_step():
@@ -299,10 +336,13 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     else:
         alpha, beta = 0.0, float("inf")
     # the slowest rank decides a step: take the minimum rate over ranks
-    rates = torch.tensor([flops, mem_bw, conv_flops, pool_bw] + [skinny[m] for m in SKINNY])
+    rates = torch.tensor([flops, mem_bw, pool_bw] + [skinny[m] for m in SKINNY]
+                         + [conv_rates[c] for c in CONV_SHAPES])
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    flops, mem_bw = float(rates[0]), float(rates[1])
-    gemm = _curve(rates[4:].tolist(), n)
+    flops, mem_bw, pool_bw = float(rates[0]), float(rates[1]), float(rates[2])
+    gemm = _curve(rates[3:3 + len(SKINNY)].tolist(), n)
+    conv_rates = dict(zip(CONV_SHAPES, rates[3 + len(SKINNY):].tolist()))
+    conv_flops, reduction_curve, rows_curve = conv_curves(conv_rates)
     probes = []
     for size in (PROBE, COMPUTE_PROBE):  # each probe's step on the slowest rank
         seconds, graph, units = _probe_step(p, reps, size)
@@ -323,13 +363,16 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     stretch = _sync_stretch(reps) if p > 1 else 0.0
     curve = [list(q) for q in gemm]
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
-            "conv_flops": float(rates[2]), "conv_efficiency": float(rates[2] / rates[0]),
-            "pool_bandwidth": float(rates[3]),
+            # the model prices a convolution at peak x efficiency x conv_efficiency: the reference's
+            # measured rate, which convolutions keep inside a training step (GEMMs do not: efficiency)
+            "conv_flops": conv_flops, "conv_efficiency": conv_flops / (flops * efficiency),
+            "conv_reduction_efficiency": reduction_curve, "conv_rows_efficiency": rows_curve,
+            "pool_bandwidth": pool_bw,
             "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
             "efficiency": efficiency, "probe_step_seconds": probe_seconds,
             "data_parallel_probe_op_overhead": split_overhead, "sync_stretch": stretch,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
-            "seconds": {"mm": t_mm, "conv": t_conv, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
+            "seconds": {"mm": t_mm, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
                         "process_group_all_reduce_16MB": raw_large}}
 
@@ -339,6 +382,8 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
             "device": {"name": "cpu-rank", "peak_flops": m["matmul_flops"], "memory_bytes": memory_bytes,
                        "memory_bandwidth": m["memory_bandwidth"], "efficiency": m.get("efficiency", 1.0),
                        "op_overhead": m["op_overhead"], "conv_efficiency": m["conv_efficiency"],
+                       "conv_reduction_efficiency": m["conv_reduction_efficiency"],
+                       "conv_rows_efficiency": m["conv_rows_efficiency"],
                        "gemm_efficiency": m["gemm_efficiency"], "pool_bandwidth": m["pool_bandwidth"],
                        "sync_stretch": m.get("sync_stretch", 0.0)},
             "levels": [{"name": "process group", "fanout": m["world_size"],
