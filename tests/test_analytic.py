@@ -35,13 +35,14 @@ def costs_of(graph, model, devices, op, config):
     return tables, float(n.compute[j]), float(n.comm[j]), float(n.memory[j])
 
 
-def update_of(graph, model, devices, op, config):
-    """The optimizer-update term of ``op``'s compute under ``config`` (seconds)."""
+def update_of(graph, model, devices, op, config, names=("optimizer_update",)):
+    """The seconds of ``op``'s cost items called ``names`` under ``config`` (by default the optimizer
+    update's)."""
     tables = build_tables(graph, model, devices)
     i = graph.op_index(op)
     j = tables.index_of(i, config)
     items = model.node_cost_items(graph, graph.ops[i], tables.configs[i][j:j + 1])
-    return sum(float(it.seconds[0]) for it in items if it.name == "optimizer_update")
+    return sum(float(it.seconds[0]) for it in items if it.name in names)
 
 
 def params_of(graph, op):
@@ -85,8 +86,10 @@ def test_data_parallel_linear_hand_calculation():
     flops = 2 * 2 * batch * k * n / 4
     bytes_ = 2 * 4 * (batch * k / 4 + n * k + batch * n / 4)
     weight = 4 * n * k
-    # then Adam's update of the whole weight: read weight, gradient and 2 moments, write 3 of them back
-    assert compute == pytest.approx(max(flops / PEAK, bytes_ / HBM) + 7 * weight / HBM, rel=1e-12)
+    # then the gradient copied into its bucket (read + write), and Adam's update of the whole weight:
+    # read weight, gradient and 2 moments, write 3 of them back
+    assert compute == pytest.approx(max(flops / PEAK, bytes_ / HBM) + 2 * weight / HBM + 7 * weight / HBM,
+                                    rel=1e-12)
     # the gradient shares a 25 MiB bucket with others: it pays its share of the bucket's latency
     share = weight / GRAD_BUCKET_BYTES
     assert comm == pytest.approx(2 * 3 * ALPHA0 * share + 2 * 0.75 * weight / BETA0, rel=1e-12)
@@ -341,7 +344,9 @@ def test_skinny_products_run_at_the_calibrated_curve():
     assert gemm_factor(slow.device, [16.0]).tolist() == [1.0]
     _, plain, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(slow), 4, "fc", (4, 1, 1))
     _, curved, _, _ = costs_of(one_linear(64, 256, 512), AnalyticCostModel(skinny), 4, "fc", (4, 1, 1))
-    update = 7 * 4 * 256 * 512 / HBM  # the optimizer step, memory bound, no GEMM
+    # the optimizer step (read 4 and write 3 weight-sized tensors) and the gradient's copy into its
+    # bucket (read + write): memory bound, no GEMM
+    update = 7 * 4 * 256 * 512 / HBM + 2 * 4 * 256 * 512 / HBM
     assert plain == pytest.approx(2 * 2 * 64 * 256 * 512 / 4 / 1e9 + update, rel=1e-12)  # a first layer: 2 GEMMs
     assert curved - update == pytest.approx((plain - update) / 0.5, rel=1e-12)
     # a 2-way split leaves m = 32: the curve's point
@@ -385,7 +390,10 @@ def test_convolutions_run_at_their_im2col_shape_curves():
     for batch_split, e_m in ((1, 0.6 + 0.4 * math.log(512 / 128) / math.log(16)),
                              (2, 0.6 + 0.4 * math.log(256 / 128) / math.log(16))):
         config = tuple(batch_split if n == "batch" else 1 for n in names)
-        update = update_of(g, AnalyticCostModel(curved), 2, "conv", config)
+        # the optimizer step, and (batch split) the gradient's copy into its bucket: no convolution
+        update = update_of(g, AnalyticCostModel(curved), 2, "conv", config, ("optimizer_update", "grad_bucket_pack"))
+        pack = 2 * 4 * 32 * 16 * 9 / HBM if batch_split == 2 else 0.0  # read + write the weight gradient
+        assert update == pytest.approx(7 * 4 * 32 * 16 * 9 / HBM + pack, rel=1e-12)
         _, compute, _, _ = costs_of(g, AnalyticCostModel(curved), 2, "conv", config)
         # a first layer: forward and weight-gradient convolutions
         assert compute - update == pytest.approx(2 * flops / batch_split / (1e9 * 0.9 * e_k * e_m), rel=1e-12)

@@ -107,7 +107,9 @@ class AnalyticCostModel:
     grad_bucket_bytes: float | None = GRAD_BUCKET_BYTES
     """Weight gradients are all-reduced in buckets of this many bytes (DDP, FSDP and ``shardplan run``
     do), so each pays the latency pro rata, ``tile / grad_bucket_bytes`` of a collective's; None: one
-    all-reduce per gradient, each paying the whole latency."""
+    all-reduce per gradient, each paying the whole latency. A bucketed gradient is first copied into
+    its flat buffer (``grad_bucket_pack``: read and written once at memory bandwidth, after the
+    backward pass; ``shardplan run`` and DDP without ``gradient_as_bucket_view`` both copy)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -216,6 +218,7 @@ class AnalyticCostModel:
         index = {n: i for i, n in enumerate(op.dim_names)}
         skip_rule = op.kind == "lstm"
         acts = [o for o in op.inputs if not graph.tensor(o.tensor).is_param]
+        after_backward: list[CostItem] = []  # work after the backward pass, not stretched by a sync point
         for j, (o, t) in enumerate(zip(operands, tiles)):
             is_output = j >= len(op.inputs)
             is_param = False
@@ -250,6 +253,10 @@ class AnalyticCostModel:
             elif is_param:  # the weight gradient: overlaps the rest of the backward pass (DDP buckets)
                 items.append(CostItem("weight_grad_allreduce", "comm", False, seconds, np.zeros_like(seconds),
                                       o.tensor))
+                if self.grad_bucket_bytes:  # copied into its flat bucket first: read + write at memory bandwidth
+                    pack = np.where(active, 2.0 * t / dev.memory_bandwidth, 0.0)
+                    after_backward.append(CostItem("grad_bucket_pack", "compute", True, pack, np.zeros_like(pack),
+                                                   o.tensor))
             else:  # the input (activation) gradient: the producer's backward waits for it
                 items.append(CostItem("input_grad_allreduce", "comm", True, seconds, np.zeros_like(seconds),
                                       o.tensor))
@@ -276,6 +283,7 @@ class AnalyticCostModel:
                 items.extend(self._loss_items(graph, op, o, t, configs, strides, split))
         if dev.sync_stretch:
             items.append(self._sync_wait(items, len(configs)))
+        items.extend(after_backward)
         params = [t for o, t in zip(op.inputs, tiles) if graph.tensor(o.tensor).is_param
                   and self.owns(graph, op, o.tensor)]
         if params:  # after the backward pass, so not stretched by a sync point

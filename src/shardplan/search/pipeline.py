@@ -179,10 +179,12 @@ class _Pricer:
                 core += float(node.compute[c])
         last = sub.ops[-1]
         boundary = sub.tensor(last.outputs[0].tensor).nbytes / t
-        # the tables price one optimizer step per op; a pipeline steps once per iteration, after the
-        # last microbatch, so the update leaves the per-microbatch time (``_config_arrays`` adds it once)
+        # the tables price one optimizer step (and gradient bucket copy) per op; a pipeline does both
+        # once per iteration, after the last microbatch, so they leave the per-microbatch time
+        # (``_config_arrays`` adds them once)
         update = sum(float(it.seconds[0]) for op, cfgs, c in zip(sub.ops, tables.configs, sol.choice)
-                     for it in model.node_cost_items(sub, op, cfgs[c:c + 1]) if it.name == "optimizer_update")
+                     for it in model.node_cost_items(sub, op, cfgs[c:c + 1])
+                     if it.name in ("optimizer_update", "grad_bucket_pack"))
         return _Part(sol.cost - update, br["compute"] - update, br["comm"], core, params, out, boundary, update)
 
 
