@@ -318,6 +318,49 @@ def test_a_tensor_read_by_several_modules_moves_once_per_layout(models, monkeypa
     assert len(gathers) >= 2  # the plan does move the hidden state into the replicated half
 
 
+def test_a_linear_reads_its_input_split_as_planned_after_a_transpose(models, monkeypatch):
+    """Tensor-parallel Llama: ``o_proj`` reads attention's ``(batch, heads, seq, head_dim)`` output
+    through a transpose and a reshape, as ``(batch, seq, heads x head_dim)``. Its input must arrive
+    split on its last dim (the heads, as planned), with no move to another sharded dim and back (the
+    reshape's sizes alone would have pointed at ``seq``); the gated MLP's product stays split between
+    gate/up and down. The step equals single device."""
+    import threading
+
+    module, kwargs, graph, loss, ref = models["llama"]
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=2)), 2)
+    plan = Plan.from_choice(tables, tensor_parallel(tables))
+    products = [p for p, op in zip(plan.ops, graph.ops) if op.kind == "elementwise" and op.module.endswith(".mlp")]
+    assert products and all(dict(p.split)["features"] == 2 for p in products)  # planned as it runs
+    moves: dict[int, list] = {}
+    stepping = threading.local()  # counting the forward and backward pass only, not the gradients' gathers
+    original = DTensor.redistribute
+
+    def counting(self, device_mesh=None, placements=None, **kw):
+        if getattr(stepping, "on", False) and placements is not None and tuple(self.placements) != tuple(placements):
+            moves.setdefault(threading.get_ident(), []).append((tuple(self.placements), tuple(placements)))
+        return original(self, device_mesh, placements, **kw)
+
+    monkeypatch.setattr(DTensor, "redistribute", counting)
+
+    def rank_fn(rank):
+        local = copy.deepcopy(module)
+        pm = apply(local, graph, plan, init_device_mesh("cpu", choose_mesh(graph, plan)))
+        stepping.on = True
+        value = pm(**kwargs).logits.full_tensor().float().pow(2).mean()
+        with pm.context():
+            value.backward()
+        stepping.on = False
+        return value.item(), {n: p.grad.full_tensor() for n, p in local.named_parameters()}
+
+    assert_matches(run_threaded(2, rank_fn), loss, ref)
+    assert moves  # the plan does reduce partial sums
+    for per_rank in moves.values():
+        reshards = [(a, b) for a, b in per_rank if a[0].is_shard() and b[0].is_shard()]
+        assert not reshards, f"activations moved between sharded dims: {reshards[:3]}"
+        gathers = [(a, b) for a, b in per_rank if a[0].is_shard() and b[0].is_replicate()]
+        assert not gathers, f"tensor parallel gathered activations: {gathers[:3]}"
+
+
 @pytest.mark.parametrize("bucket_bytes", [64 * 1024, 1 << 30])
 def test_partial_gradients_are_reduced_in_buckets(models, bucket_bytes):
     """Data-parallel Llama on 2 ranks: after the backward pass
@@ -403,8 +446,9 @@ def test_forward_and_backward_in_one_context(models):
 
 def test_interleaved_steps_take_turns_and_train_each_run(models):
     """``shardplan run --plan A --plan B``: the worker takes the runs' steps round-robin (the warm-up of
-    every run, then step 1 of every run, ...), times every timed step, and each run's first gradients
-    are its own (two plans of one model from the same weights: both equal to single device)."""
+    every run, then step 1 of every run, ...), each timed round starting one run further on, times
+    every timed step, and each run's first gradients are its own (two plans of one model from the same
+    weights: both equal to single device)."""
     from shardplan.execute.worker import _loss, interleaved_sgd_steps
 
     module, kwargs, graph, ref_loss, ref_grads = models["torch_mlp"]
@@ -424,11 +468,11 @@ def test_interleaved_steps_take_turns_and_train_each_run(models):
                 return loss.item()
 
             runs.append((fb, local.named_parameters, pm.context))
-        measured = interleaved_sgd_steps(runs, 2, keep_first=True)
+        measured = interleaved_sgd_steps(runs, 3, keep_first=True)
         return order, measured
 
     for order, measured in run_threaded(2, rank_fn):
-        assert order == [0, 1, 0, 1, 0, 1]
+        assert order == [0, 1, 0, 1, 1, 0, 0, 1]  # warm-up, then rounds starting at run 0, 1, 0
         for times, (loss, grads) in measured:
-            assert len(times) == 2 and min(times) > 0
+            assert len(times) == 3 and min(times) > 0
             assert_matches([(loss, grads)], ref_loss, ref_grads)

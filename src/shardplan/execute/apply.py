@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from shardplan.cluster.mesh import MeshError, OpMesh
 from shardplan.cost.analytic import GRAD_BUCKET_BYTES
 from shardplan.cost.configs import split_limits
-from shardplan.ir.graph import Graph, Operand
+from shardplan.ir.graph import Graph, Op, Operand
 from shardplan.plan import Plan, PlanError
 
 
@@ -293,7 +293,8 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             src = graph.tensor(acts[0].tensor) if acts else None
             in_pl = placements(acts[0], om, shape) if acts else None
             out_pl = placements(op.outputs[0], om, shape)
-            hooks[op.module] = (src.shape if src else None, in_pl, out_pl, graph.tensor(op.outputs[0].tensor).shape)
+            hooks[op.module] = (src.shape if src else None, in_pl, out_pl, graph.tensor(op.outputs[0].tensor).shape,
+                                _linear_input(op, om, shape))
     params = dict(module.named_parameters())
     missing = [n for n in placed if n not in params]
     if missing:
@@ -306,7 +307,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
         setattr(sub, attr, nn.Parameter(distribute_tensor(param.detach(), mesh, pl),
                                         requires_grad=param.requires_grad))
     local = dict(graph.meta).get("local_blocks", ())
-    for fqn, (in_shape, in_pl, out_pl, out_shape) in hooks.items():
+    for fqn, (in_shape, in_pl, out_pl, out_shape, linear_in) in hooks.items():
         if any(fqn == b or fqn.startswith(b + ".") for b in local):
             continue  # runs inside a local block, on plain tensors
         sub = module.get_submodule(fqn)
@@ -315,7 +316,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             continue
         if type(sub).__name__ not in _HOOKED:
             continue
-        sub.register_forward_pre_hook(_pre_hook(mesh, in_shape, in_pl))
+        sub.register_forward_pre_hook(_pre_hook(mesh, in_shape, in_pl, linear_in))
         if type(sub).__name__ == "Conv2d":
             # DTensor's pooling rules lose the global shape of channel-sharded maps (torch 2.13):
             # conv outputs keep only their batch split; the next conv re-shards (locally, no traffic)
@@ -462,13 +463,32 @@ def _view_placements(planned: tuple, actual: tuple, target: list, mesh_shape: tu
     return out
 
 
-def _pre_hook(mesh, in_shape, target):
+def _linear_input(op: Op, om: OpMesh, mesh_shape: tuple[int, ...]) -> tuple[tuple[int, ...], list] | None:
+    """(shape, placements) of a linear layer's own input, ``(lead dims..., in_features)``, laid out as
+    the op's split says; None for other ops.
+
+    The graph knows a linear's input as the tensor a heavy op produced, which may reach the layer
+    through a transpose and a reshape (attention's ``(batch, heads, seq, head_dim)`` output becomes
+    ``o_proj``'s ``(batch, seq, heads x head_dim)``): placements read off that tensor's shape would
+    shard the wrong dim of the layer's input (there, ``seq`` for ``heads``), and the runtime would move
+    the activation to a layout the plan never asked for and back. Named by the op's dims, the layer's
+    input axes are unambiguous."""
+    if op.kind != "fc" or "in_features" not in op.dim_names:
+        return None
+    names = [n for n in op.dim_names if n not in ("out_features", "in_features")] + ["in_features"]
+    sizes = tuple(op.dims[op.dim_index(n)].size for n in names)
+    return sizes, placements(Operand("input", tuple((n,) for n in names)), om, mesh_shape)
+
+
+def _pre_hook(mesh, in_shape, target, linear_in=None):
     def hook(mod, args):
         if not args or not isinstance(args[0], torch.Tensor) or target is None:
             return None
         x = args[0]
         pl = target
-        if tuple(x.shape) != tuple(in_shape or ()) and (in_shape is None or x.ndim != len(in_shape)):
+        if linear_in is not None and tuple(x.shape) == linear_in[0]:
+            pl = linear_in[1]  # the layer's own input, named by the op's dims
+        elif tuple(x.shape) != tuple(in_shape or ()) and (in_shape is None or x.ndim != len(in_shape)):
             # a reshaped view of the planned tensor (a flatten, say)
             pl = _view_placements(tuple(in_shape or ()), tuple(x.shape), list(target), tuple(mesh.shape))
         x = _to_layout(x, mesh, pl)

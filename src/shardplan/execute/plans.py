@@ -1,7 +1,8 @@
 """Hand-made plans on captured graphs, for tests and the fidelity benchmark (torch-free).
 
 ``tensor_parallel`` is Megatron's pattern expressed on a captured graph: first linears of a block
-split by output features, second ones by input features, attention by heads. ``odd`` is data
+split by output features, second ones by input features, attention by heads, a gated MLP's product
+by its features. ``odd`` is data
 parallel plus one unusual split (the LM head's vocabulary, or the CNN's first linear split-K).
 ``replicated`` runs everything everywhere. ``mixed`` is tensor parallel in the MLP blocks and data
 parallel elsewhere. ``half_data_parallel`` is data parallel up to the middle op and replicated after
@@ -22,7 +23,8 @@ from shardplan.search.baselines import data_parallel
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "query", "key", "value",
           "intermediate.dense", "layers.0", "fc1")
 ROW = ("o_proj", "down_proj", "c_proj", "attention.output.dense", "output.dense", "layers.1", "fc2")
-MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "mlp.c_fc", "mlp.c_proj", "intermediate.dense", "fc1", "fc2")
+MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "mlp.c_fc", "mlp.c_proj", "intermediate.dense", "fc1", "fc2",
+             ".mlp")
 
 
 def _config(tables: CostTables, i: int, **split) -> int:
@@ -50,6 +52,9 @@ def _tp_choice(tables: CostTables, i: int) -> int | None:
         return _maybe(tables, i, "in_features", p)
     if op.kind == "einsum":
         return _maybe(tables, i, "heads", p)
+    if op.kind == "elementwise" and name.endswith(".mlp"):
+        # the gated MLP's act(gate) * up: split like the column-parallel gate and up that feed it
+        return _maybe(tables, i, "features", p)
     return None
 
 
