@@ -11,23 +11,38 @@ all seven in one launch with their steps interleaved round-robin (``shardplan ru
 ...``), so a slow spell of the shared machine slows every plan alike instead of whichever plan
 happened to be running.
 
-What is compared: the calibration keeps the fastest of its repetitions, and a plan's measured time is
-its fastest step (``best_step_seconds``) over all steps and repeats. Noise on a shared machine is
-one-sided (a neighbour only slows a step down), so best against best is the stable comparison; the
-median step is printed beside it and Kendall's tau is given for both. Prints predicted and best
-seconds per step, their ratio, the median, whether the numerics matched (checked on the first
-repeat), how far the best step moved between repeats, Kendall's tau between the rankings per model
-and how many predictions fall within 20%. With ``--repeats R`` the launch runs R times.
+What is compared, three ways:
+
+* **best**: a plan's fastest step (``best_step_seconds``) over all steps and repeats, against a
+  prediction from the fastest calibration repetitions. Noise on a shared machine is mostly one-sided
+  (a neighbour only slows a step down), so best against best is the absolute comparison: the "within
+  20%" count uses it.
+* **paired**: the ranking from paired steps. Round k of a launch runs step k of every plan back to
+  back (each round starting one plan further on), so the plans of one round share the machine's state
+  of the moment. Each step is divided by its round's geometric mean, and a plan's figure is the
+  median of those ratios over all rounds and repeats: drift between rounds cancels, and one slow step
+  moves a median little. Printed relative to the fastest plan's.
+* **median**: the median step, as ``shardplan run`` reports it.
+
+Kendall's tau (tau-b: a pair predicted equal, two identical plans, counts as neither agreeing nor
+disagreeing) is given between the predicted ranking and each measured one. The **noise ceiling** is
+tau between the paired rankings of the even and the odd rounds: how well the measurement agrees with
+itself, so a bound on the agreement any prediction can show. Plans that are the same plan (the
+searched plan may be data parallel) are marked ``= other``. With ``--repeats R`` the launch runs R
+times; the numerics are checked (``--check``) on the first.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
+
+import numpy as np
 
 from shardplan.capture import capture
 from shardplan.capture.models import build, parse_config
@@ -48,13 +63,25 @@ MODELS = {  # name -> (config, batch, seq)
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
-    n, s = len(a), 0
+    """Kendall's tau-b between two rankings: (agreeing - disagreeing pairs) / sqrt((pairs - pairs tied
+    in a) x (pairs - pairs tied in b))."""
+    n, s, tie_a, tie_b = len(a), 0, 0, 0
     for i in range(n):
         for j in range(i + 1, n):
-            x, y = a[i] - a[j], b[i] - b[j]
-            s += (x > 0) - (x < 0) if y > 0 else ((x < 0) - (x > 0) if y < 0 else 0)
+            x, y = (a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])
+            s += x * y
+            tie_a += x == 0
+            tie_b += y == 0
     pairs = n * (n - 1) / 2
-    return s / pairs if pairs else float("nan")
+    denom = math.sqrt((pairs - tie_a) * (pairs - tie_b))
+    return s / denom if denom else float("nan")
+
+
+def paired(steps: list[list[float]]) -> list[float]:
+    """Per plan, the median over rounds of its step's time over the round's geometric mean (``steps``:
+    per plan, its step times in round order; every plan has the same rounds)."""
+    logs = np.log(np.array(steps, dtype=np.float64))  # (plans, rounds)
+    return np.exp(np.median(logs - logs.mean(axis=0), axis=1)).tolist()
 
 
 def main() -> None:
@@ -72,8 +99,9 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown model {unknown[0]!r}; expected some of {', '.join(MODELS)}")
     tmp = tempfile.mkdtemp(prefix="fidelity-")
-    print("| model | plan | predicted s | best s | best / predicted | median s | check | spread of best |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | plan | predicted s | best s | best / predicted | paired (x fastest) | median s | check "
+          "| spread of best |")
+    print("|---|---|---|---|---|---|---|---|---|")
     summary, calibrations = [], []
     for name in names:
         config, batch, seq = MODELS[name]
@@ -116,9 +144,15 @@ def main() -> None:
                 continue
             for pname, rec in zip(plans, records):
                 runs[pname].append(rec)
-        for pname, outs in runs.items():
-            if not outs:
-                continue
+        done = [p for p in plans if runs[p]]
+        if not done:
+            continue
+        same = {p: next((q for q in done[:i] if list(plans[q]) == list(plans[p])), None) for i, p in enumerate(done)}
+        rounds = [[t for o in runs[p] for t in o["step_seconds"]] for p in done]
+        rel = paired(rounds)
+        halves = [paired([r[h::2] for r in rounds]) for h in (0, 1)]
+        for i, pname in enumerate(done):
+            outs = runs[pname]
             p = outs[0]["predicted_step_seconds"]
             bests = [o["best_step_seconds"] for o in outs]
             m, med = min(bests), min(o["measured_step_seconds"] for o in outs)
@@ -127,14 +161,17 @@ def main() -> None:
             medians.append(med)
             ok = outs[0].get("check", {}).get("passed")
             spread = max(bests) / m - 1
-            print(f"| {name} | {pname} | {p:.4g} | {m:.4g} | {m / p:.2f} | {med:.4g} | "
+            label = pname + (f" (= {same[pname]})" if same[pname] else "")
+            print(f"| {name} | {label} | {p:.4g} | {m:.4g} | {m / p:.2f} | {rel[i] / min(rel):.3f} | {med:.4g} | "
                   f"{'passed' if ok else 'FAILED'} | {100 * spread:.0f}% |", flush=True)
         within = sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, meas))
-        summary.append((name, kendall_tau(pred, meas), kendall_tau(pred, medians), within, len(pred)))
+        summary.append((name, kendall_tau(pred, meas), kendall_tau(pred, rel), kendall_tau(pred, medians),
+                        kendall_tau(*halves), within, len(pred), len(rounds[0])))
     for line in calibrations:
         print(line)
-    for name, tau, tau_med, within, n in summary:
-        print(f"{name}: Kendall tau over {n} plans = {tau:.2f} on best steps ({tau_med:.2f} on medians); "
+    for name, tau, tau_pair, tau_med, ceiling, within, n, k in summary:
+        print(f"{name}: Kendall tau over {n} plans = {tau:.2f} on best steps, {tau_pair:.2f} paired over {k} "
+              f"rounds, {tau_med:.2f} on medians; noise ceiling (even vs odd rounds) {ceiling:.2f}; "
               f"{within} of {n} predictions within 20% of the best step")
 
 

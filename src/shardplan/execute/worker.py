@@ -67,12 +67,15 @@ def interleaved_sgd_steps(runs, steps: int, keep_first: bool = False) -> list:
     context)``: ``forward_backward()`` returns the loss as a float, then ``p -= 1e-3 grad`` for every
     parameter, both inside ``context()``), after one warm-up step each, taken round-robin: step k of
     every run before step k + 1 of any, so a machine that slows down for a while slows every run
-    alike. Returns, per run, (seconds per timed step, (first loss, first gradients gathered whole)
-    or None)."""
+    alike. Round k starts at run ``(k - 1) mod len(runs)`` (the warm-up round at run 0), so no run
+    always follows the same one (caches and allocator state left by its predecessor). Returns, per
+    run, (seconds per timed step, (first loss, first gradients gathered whole) or None)."""
     times: list[list[float]] = [[] for _ in runs]
     firsts: list = [None] * len(runs)
+    n = len(runs)
     for step in range(steps + 1):  # step 0 is the warm-up
-        for i, (forward_backward, named_parameters, context) in enumerate(runs):
+        for i in [(max(step - 1, 0) + j) % n for j in range(n)]:
+            forward_backward, named_parameters, context = runs[i]
             took, first = _sgd_step(forward_backward, named_parameters, context, step == 0 and keep_first)
             if step:
                 times[i].append(took)
