@@ -49,6 +49,9 @@ KNOWN = CONTRACTIONS | FREE | {"embedding", "pool", "norm", "softmax", "softmax_
 GRAD_BUCKET_BYTES = 25.0 * 1024 * 1024
 """Bytes per weight-gradient all-reduce bucket: DDP's default (``bucket_cap_mb=25``), and what
 ``execute.apply.reduce_gradients`` packs."""
+PER_ITERATION = frozenset({"optimizer_update", "grad_bucket_pack"})
+"""Cost items paid once per training iteration, after the last backward pass: a pipeline pays them once,
+not once per microbatch."""
 OPTIMIZER_STATES = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
 """Optimizer state tensors per parameter, each of the parameter's size (Adam: first and second moment)."""
 

@@ -2,8 +2,8 @@
 
 ``tensor_parallel`` is Megatron's pattern expressed on a captured graph: first linears of a block
 split by output features, second ones by input features, attention by heads, a gated MLP's product
-by its features. ``odd`` is data
-parallel plus one unusual split (the LM head's vocabulary, or the CNN's first linear split-K).
+by its features. ``odd`` is data parallel plus one unusual split (the LM head's vocabulary, or the
+CNN's first linear split-K).
 ``replicated`` runs everything everywhere. ``mixed`` is tensor parallel in the MLP blocks and data
 parallel elsewhere. ``half_data_parallel`` is data parallel up to the middle op and replicated after
 (one all-gather of the batch between), a plan whose cost lies between the two. ``expert_parallel``

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardplan.cluster.model import Cluster, collective_seconds
-from shardplan.cost.analytic import AnalyticCostModel
+from shardplan.cost.analytic import PER_ITERATION, AnalyticCostModel
 from shardplan.cost.configs import divisors, operand_layouts
 from shardplan.cost.memory import RECOMPUTE, MemoryOptions, model_state_bytes, transformer_layer_activation_bytes
 from shardplan.cost.tables import build_tables
@@ -184,7 +184,7 @@ class _Pricer:
         # (``_config_arrays`` adds them once)
         update = sum(float(it.seconds[0]) for op, cfgs, c in zip(sub.ops, tables.configs, sol.choice)
                      for it in model.node_cost_items(sub, op, cfgs[c:c + 1])
-                     if it.name in ("optimizer_update", "grad_bucket_pack"))
+                     if it.name in PER_ITERATION)
         return _Part(sol.cost - update, br["compute"] - update, br["comm"], core, params, out, boundary, update)
 
 
