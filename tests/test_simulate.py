@@ -141,10 +141,14 @@ def test_data_parallel_linear_gradient_all_reduce_by_hand():
     # its share of a 25 MiB bucket's latency (cost.analytic.GRAD_BUCKET_BYTES)
     assert grad[0].end - grad[0].start == pytest.approx(2 * 3 * ALPHA * n / (25 * 2 ** 20) + 2 * 3 / 4 * n / BETA,
                                                         rel=1e-12)
-    # one op: nothing to overlap the gradient with, so it follows the backward, and the update ends the iteration
+    # one op: nothing to overlap the gradient with, so it is copied into its bucket after the backward
+    # (read + write at memory bandwidth), reduced, and the update ends the iteration
     bwd = next(e for e in r.events if e.name == "fc bwd")
+    pack = next(e for e in r.events if ".grad_bucket_pack " in e.name)
     update = next(e for e in r.events if ".optimizer " in e.name)
-    assert grad[0].start == bwd.end and update.start == grad[0].end and update.end == r.iteration_seconds
+    assert pack.end - pack.start == pytest.approx(2 * n / cl.device.memory_bandwidth, rel=1e-12)
+    assert pack.start == bwd.end and grad[0].start == pack.end
+    assert update.start == grad[0].end and update.end == r.iteration_seconds
     assert r.iteration_seconds == pytest.approx(tables.cost_of(choice), rel=1e-12)
 
 

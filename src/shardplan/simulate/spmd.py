@@ -13,7 +13,9 @@ Per op, in program order (the analytic model's items, ``AnalyticCostModel.node_c
   all-reduce, backward halves of halo/statistics/LSTM) that the producer's backward waits for;
 * the weight-gradient all-reduce of every parameter, after the op's backward compute but off the
   critical path (priority 1: it runs when the comm stream has no critical work, overlapping the rest
-  of the backward pass as DDP/FSDP gradient buckets do);
+  of the backward pass as DDP/FSDP gradient buckets do); a bucketed gradient is first copied into its
+  flat bucket (the model's ``grad_bucket_pack``: a compute task right after the op's backward, as
+  DDP's gradient hook copies it, which the all-reduce waits for);
 * with ``optimizer=True``, an optimizer update per parameter tile after its gradient is reduced, on
   the compute stream at priority 1 (see :func:`optimizer_seconds`): the model's ``optimizer_update``
   item, one task per tile. Without overlap the iteration is then the cost tables' ``cost_of``.
@@ -47,18 +49,21 @@ def optimizer_seconds(cluster: Cluster, optimizer: str, param_tile_bytes: float)
 class OpEntry:
     """One op's tasks for K configurations, as Python lists (fast to index in a search loop)."""
 
-    __slots__ = ("fwd_compute", "bwd_compute", "halo_fwd", "fwd_comm", "bwd_comm", "grad_comm", "params",
-                 "activations")
+    __slots__ = ("fwd_compute", "bwd_compute", "halo_fwd", "fwd_comm", "bwd_comm", "grad_comm", "grad_pack",
+                 "params", "activations")
 
     def __init__(self, model: AnalyticCostModel, graph: Graph, op, configs: np.ndarray):
         items = model.node_cost_items(graph, op, configs)
         K = len(configs)
         fwd_c, bwd_c = np.zeros(K), np.zeros(K)
         self.halo_fwd = None
-        self.fwd_comm, self.bwd_comm, self.grad_comm = [], [], []
+        self.fwd_comm, self.bwd_comm, self.grad_comm, self.grad_pack = [], [], [], []
         for it in items:
             fwd, bwd = it.fwd, it.bwd
             if it.name == "optimizer_update":  # its own tasks, one per parameter (``optimizer=True``)
+                continue
+            if it.name == "grad_bucket_pack":  # its own task, before the gradient's all-reduce
+                self.grad_pack.append((it.tensor, it.seconds.tolist()))
                 continue
             if it.stream == "compute":
                 fwd_c = fwd_c + fwd
@@ -189,10 +194,15 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
             if sec[row] > 0:
                 prev = add(f"{name}.{label} bwd", sec[row], [M], [prev], kind="comm")
         bwd_done[i] = prev
+        packed: dict[str, int] = {}
+        for tensor, sec in ent.grad_pack:
+            if sec[row] > 0:
+                packed[tensor] = add(f"{name}.grad_bucket_pack {tensor}", sec[row], [C], [comp])
         grads: dict[str, int] = {}
         for label, tensor, sec in ent.grad_comm:
             if sec[row] > 0:
-                grads[tensor] = add(f"{name}.{label} {tensor}", sec[row], [M], [comp], priority=1, kind="comm")
+                grads[tensor] = add(f"{name}.{label} {tensor}", sec[row], [M], [packed.get(tensor, comp)],
+                                    priority=1, kind="comm")
         if optimizer:
             for tensor, _, tile in ent.params:
                 add(f"{name}.optimizer {tensor}", optimizer_seconds(cluster, opt, tile[row]), [C],
