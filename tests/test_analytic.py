@@ -460,6 +460,58 @@ def test_compute_before_a_sync_point_is_stretched():
         dataclasses.replace(base.device, sync_stretch=-1.0)
 
 
+def test_sync_points_wait_the_square_root_of_the_compute_before_them():
+    """``sync_jitter`` j, by hand on one linear layer over 4 devices whose input is training data (so
+    its compute C is the forward and the weight-gradient GEMM, half each; U is the bucket copy and
+    the optimizer update, after both passes). A step waits ``j sqrt(compute since the last sync
+    point)`` at each sync point and at its end (timed on the slowest rank):
+
+    * replicated, or ``out_features`` split (no collective): once, ``j sqrt(C + U)``;
+    * ``in_features`` split: the forward all-reduce after ``C / 2``, then the end: ``j (sqrt(C / 2) +
+      sqrt(C / 2 + U))``;
+    * data parallel: the weight-gradient reduction after the backward pass, then the end:
+      ``j (sqrt(C) + sqrt(U))``;
+    * one device: nothing.
+
+    ``step_seconds`` is the tables' cost with the per-op ``sync_stretch`` swapped for these waits,
+    and the tables' cost itself when the device has no jitter. The field survives a cluster file
+    and a negative one is refused by name."""
+    import dataclasses
+    import math
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+    from shardplan.cost.analytic import step_seconds, sync_waits
+
+    j, rho = 0.02, 0.25
+    base = cluster()
+    jittery = dataclasses.replace(base, device=dataclasses.replace(base.device, sync_jitter=j, sync_stretch=rho))
+    g = one_linear()
+    names = g.ops[0].dim_names
+    per_iteration = ("optimizer_update", "grad_bucket_pack")
+    for split, sqrt_terms in (({}, lambda c, u: [c + u]), ({"out_features": 4}, lambda c, u: [c + u]),
+                              ({"in_features": 4}, lambda c, u: [c / 2, c / 2 + u]),
+                              ({"batch": 4}, lambda c, u: [c, u])):
+        config = tuple(split.get(n, 1) for n in names)
+        tables, compute_and_u, _, _ = costs_of(g, AnalyticCostModel(base), 4, "fc", config)
+        u = update_of(g, AnalyticCostModel(base), 4, "fc", config, names=per_iteration)
+        c = compute_and_u - u
+        model = AnalyticCostModel(jittery)
+        jt = build_tables(g, model, 4)
+        choice = [jt.index_of(0, config)]
+        waits, stretch = sync_waits(model, jt, choice)
+        assert waits == pytest.approx(j * sum(math.sqrt(t) for t in sqrt_terms(c, u)), rel=1e-9), split
+        assert stretch == pytest.approx(rho * c / 2 if "in_features" in split else 0.0, rel=1e-9, abs=1e-18), split
+        assert step_seconds(model, jt, choice) == pytest.approx(jt.cost_of(choice) - stretch + waits, rel=1e-12)
+        assert step_seconds(AnalyticCostModel(base), tables, choice) == tables.cost_of(choice)
+    one = build_tables(g, AnalyticCostModel(jittery), 1)
+    assert sync_waits(AnalyticCostModel(jittery), one, [0])[0] == 0.0
+    assert cluster_from_dict(cluster_to_dict(jittery)).device.sync_jitter == j
+    assert "sync_jitter" not in cluster_to_dict(base)["device"]
+    with pytest.raises(ClusterError, match="sync_jitter"):
+        dataclasses.replace(base.device, sync_jitter=-1.0)
+
+
 def test_bias_gradient_is_whole_under_a_reduction_split():
     """A bias is added to the reduced product, so splitting ``in_features`` leaves its gradient whole
     on every device (as DTensor computes it: Replicate, no collective); a batch split still makes it

@@ -64,6 +64,15 @@ class Device:
     shared 2-core VM a compute phase of 0.7-15 ms costs 20-30% more between all-reduces than alone).
     0 for the datasheet presets; measured by ``shardplan calibrate``. Collectives that overlap the
     backward pass (weight-gradient buckets) are no sync point."""
+    sync_jitter: float = 0.0
+    """Seconds waited at a sync point per square root of the seconds of compute since the previous one
+    (s^0.5): ranks' speeds jitter independently, so after ``T`` seconds of compute the slowest of them
+    trails the others by about ``sync_jitter x sqrt(T)``, and a collective on the critical path (or the
+    end of a step timed on the slowest rank) waits that long. On this 2-core VM, compute phases of 0.5,
+    2, 8 and 32 ms followed by an all-reduce waited 0.45, 0.85, 1.9 and 2.7 ms (about
+    ``0.019 sqrt(T)``): a square-root law, not a fixed fraction. A plan-level term
+    (``cost.analytic.step_seconds``: it depends on where the plan's sync points fall, so it has no
+    per-op share); 0 for the datasheet presets, measured by ``shardplan calibrate``."""
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
     """A matrix product's FLOP rate over the large matmul's, by the product's smallest local dimension:
     ``((m_1, e_1), (m_2, e_2), ...)`` with rising ``m``; between points the rate is interpolated in
@@ -99,6 +108,9 @@ class Device:
         if not isinstance(self.sync_stretch, (int, float)) or isinstance(self.sync_stretch, bool) \
                 or self.sync_stretch < 0:
             raise ClusterError(f"device.sync_stretch must be a non-negative number, got {self.sync_stretch!r}")
+        if not isinstance(self.sync_jitter, (int, float)) or isinstance(self.sync_jitter, bool) \
+                or self.sync_jitter < 0:
+            raise ClusterError(f"device.sync_jitter must be a non-negative number, got {self.sync_jitter!r}")
         if self.split_op_overhead is not None and (not isinstance(self.split_op_overhead, (int, float))
                                                    or self.split_op_overhead < 0):
             raise ClusterError(f"device.split_op_overhead must be a non-negative number, got "

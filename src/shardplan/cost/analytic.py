@@ -471,3 +471,77 @@ class AnalyticCostModel:
         bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]
         lat = np.array([lv.latency for lv in self.cluster.levels])[level]
         return np.where(nbytes > 0, 2.0 * (lat + nbytes / bw), 0.0)
+
+
+def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
+    """(jitter waits, per-op sync stretch) of one SPMD plan, in seconds per step.
+
+    The cost tables price waiting at sync points per op (``sync_wait``: ``sync_stretch`` x the
+    compute of an op whose pass ends in a critical collective), so that the search's objective adds
+    up over ops. What the ranks actually wait depends on how much compute lies between two sync
+    points, which is a property of the whole plan: after ``T`` seconds of compute since the last
+    sync point the slowest rank trails by about ``sync_jitter x sqrt(T)`` (``Device.sync_jitter``).
+    The walk below follows one step in program order, as ``shardplan run`` takes it:
+
+    * forward, op by op: a redistribution into the op (an edge with a cost) is a sync point before
+      its compute; a critical collective of its forward (a partial-sum all-reduce, a statistics
+      all-reduce, a halo, the loss gather) is one after it;
+    * backward, ops in reverse: the critical collectives of its backward (the input-gradient
+      all-reduce) after its compute, then the backward of its incoming redistributions;
+    * the bucketed weight-gradient reduction after the backward pass, when the plan has one;
+    * the bucket copies and the optimizer update, then the end of the step, timed on the slowest
+      rank: the last sync point.
+
+    Each sync point waits ``sync_jitter x sqrt(compute since the previous one)``. The first figure is
+    their sum (0 on one device); the second is what the tables charged instead, the plan's
+    ``sync_wait`` items. ``step_seconds`` swaps one for the other."""
+    graph, dev = tables.graph, model.cluster.device
+    incoming = [0.0] * len(graph.ops)
+    for e in tables.edges:
+        incoming[e.dst] += float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]])
+    items = [model.node_cost_items(graph, op, tables.configs[i][choice[i]:choice[i] + 1])
+             for i, op in enumerate(graph.ops)]
+    stretch = sum(float(it.seconds[0]) for its in items for it in its if it.name == "sync_wait")
+    if tables.devices <= 1 or not dev.sync_jitter:
+        return 0.0, stretch
+    waits, since = 0.0, 0.0
+
+    def sync() -> None:
+        nonlocal waits, since
+        waits += dev.sync_jitter * float(np.sqrt(since))
+        since = 0.0
+
+    def work(its) -> list[CostItem]:
+        return [it for it in its if it.stream == "compute" and it.name != "sync_wait" and it.name not in PER_ITERATION]
+
+    for i, its in enumerate(items):
+        if incoming[i] > 0:
+            sync()
+        since += sum(float(it.fwd[0]) for it in work(its))
+        if any(it.stream == "comm" and it.critical and it.fwd[0] > 0 for it in its):
+            sync()
+    reduces = False
+    for i in range(len(items) - 1, -1, -1):
+        its = items[i]
+        since += sum(float(it.bwd[0]) for it in work(its))
+        if any(it.stream == "comm" and it.critical and it.bwd[0] > 0 for it in its):
+            sync()
+        if incoming[i] > 0:
+            sync()
+        reduces = reduces or any(it.name == "weight_grad_allreduce" and it.seconds[0] > 0 for it in its)
+    if reduces:
+        sync()
+    since += sum(float(it.seconds[0]) for its in items for it in its if it.name in PER_ITERATION)
+    sync()
+    return waits, stretch
+
+
+def step_seconds(model, tables, choice) -> float:
+    """Predicted seconds of one training step of an SPMD plan: the tables' cost (``cost_of``, the
+    search's objective) with the per-op sync stretch replaced by the plan's jitter waits
+    (:func:`sync_waits`) when the device has a ``sync_jitter``; ``cost_of`` for any other model."""
+    cost = tables.cost_of(choice)
+    if not isinstance(model, AnalyticCostModel) or not model.cluster.device.sync_jitter:
+        return cost
+    waits, stretch = sync_waits(model, tables, choice)
+    return cost - stretch + waits

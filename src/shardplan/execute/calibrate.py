@@ -36,6 +36,10 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   products alone and the all-reduces alone, over the products' time, the median over repetitions
   that time the three in turn (``_sync_stretch``); the cost model stretches the compute of an op
   whose pass ends in a collective on the critical path;
+* **sync jitter**: how long a rank waits at a sync point for its slowest peer after ``T`` seconds of
+  compute: rounds of 1, 4 and 16 ms of matrix products, each followed by a small all-reduce, fitted
+  to ``wait = sync_jitter x sqrt(T)`` (``_sync_jitter``); ``cost.analytic.step_seconds`` charges it
+  at every sync point of a plan's step (the cost tables keep the per-op ``sync_stretch``);
 * **network**: all-reduce times of a small (1 KB) and a large (16 MB) message, issued as the runtime
   issues them (a Partial DTensor redistributed to Replicate: on gloo about twice the raw
   process-group call for small messages; the raw times are kept in the file's comments), fitted to
@@ -51,6 +55,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
+import statistics
 import time
 
 import torch
@@ -113,7 +119,6 @@ def _sync_stretch(reps: int, segments: int = 24) -> float:
     The three are timed in turn in each of ``2 reps`` repetitions and the median of the per-repetition
     ratios is kept: a difference of separately taken minimums read anywhere from 0 to 0.68 on this
     2-core VM, the paired median 0.16-0.42. Compute phases of 0.7 to 15 ms wait 20-30% of their length."""
-    import statistics
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -149,6 +154,67 @@ def _sync_stretch(reps: int, segments: int = 24) -> float:
         t_both, t_compute, t_comm = timed(both), timed(compute), timed(comm)
         ratios.append((t_both - t_compute - t_comm) / t_compute)
     return max(statistics.median(ratios), 0.0)
+
+
+JITTER_SEGMENTS = (1e-3, 4e-3, 16e-3)
+"""Seconds of compute between two sync points in ``_sync_jitter``'s rounds."""
+
+
+def _sync_jitter(budget: float = 0.4) -> tuple[float, list]:
+    """(``Device.sync_jitter`` in s^0.5, the measured points [[compute s, wait s], ...]).
+
+    For each length ``T`` in ``JITTER_SEGMENTS``, about ``budget / T`` rounds of ``T`` seconds of
+    (256 x 256) products followed by a small all-reduce issued as the runtime issues it; every rank
+    times each round's all-reduce. Its time over the all-reduce's own (the median of 100 back to
+    back) is the wait for the slowest peer. Ranks leave each all-reduce together, so every round
+    starts aligned; all ranks run the same number of products (the slowest rank's count for ``T``).
+    The mean wait per round over ranks (the slowest 5% of rounds dropped: a neighbour's stall is
+    noise, not jitter) against the mean compute is fitted by least squares to ``wait = j sqrt(T)``:
+    ``j = sum(w sqrt(T)) / sum(T)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    d = DTensor.from_local(torch.zeros(256), mesh, [Partial()])
+    x, w = torch.randn(256, 256), torch.randn(256, 256)
+
+    def collective():
+        d.redistribute(mesh, [Replicate()]).to_local()
+
+    torch.mm(x, w)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        torch.mm(x, w)
+    per = torch.tensor([(time.perf_counter() - t0) / 50])
+    dist.all_reduce(per, op=dist.ReduceOp.MIN)  # the same product count on every rank
+    collective()
+    alone = []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        collective()
+        alone.append(time.perf_counter() - t0)
+    base = statistics.median(alone)
+    points = []
+    for length in JITTER_SEGMENTS:
+        n = max(1, round(length / float(per)))
+        segs, waits = [], []
+        collective()  # aligned
+        for _ in range(max(8, int(budget / length))):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                torch.mm(x, w)
+            t1 = time.perf_counter()
+            collective()
+            segs.append(t1 - t0)
+            waits.append(time.perf_counter() - t1 - base)
+        keep = sorted(range(len(waits)), key=waits.__getitem__)[:max(1, int(0.95 * len(waits)))]
+        points += [statistics.mean(segs[i] for i in keep), statistics.mean(waits[i] for i in keep)]
+    t = torch.tensor(points, dtype=torch.float64)
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    pts = t.view(-1, 2).tolist()
+    j = sum(wt * math.sqrt(max(seg, 0.0)) for seg, wt in pts) / sum(seg for seg, _ in pts)
+    return max(j, 0.0), pts
 
 
 def _probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = False):
@@ -361,6 +427,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
                                          bandwidth=beta, gemm=gemm, efficiency=efficiency) if p > 1 else overhead)
     tiny_overhead = _dispatch_overhead(p, reps)
     stretch = _sync_stretch(reps) if p > 1 else 0.0
+    jitter, jitter_points = _sync_jitter() if p > 1 else (0.0, [])
     curve = [list(q) for q in gemm]
     return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             # the model prices a convolution at peak x efficiency x conv_efficiency: the reference's
@@ -371,6 +438,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
             "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
             "efficiency": efficiency, "probe_step_seconds": probe_seconds,
             "data_parallel_probe_op_overhead": split_overhead, "sync_stretch": stretch,
+            "sync_jitter": jitter, "sync_jitter_points": jitter_points,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
             "seconds": {"mm": t_mm, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
@@ -385,7 +453,7 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
                        "conv_reduction_efficiency": m["conv_reduction_efficiency"],
                        "conv_rows_efficiency": m["conv_rows_efficiency"],
                        "gemm_efficiency": m["gemm_efficiency"], "pool_bandwidth": m["pool_bandwidth"],
-                       "sync_stretch": m.get("sync_stretch", 0.0)},
+                       "sync_stretch": m.get("sync_stretch", 0.0), "sync_jitter": m.get("sync_jitter", 0.0)},
             "levels": [{"name": "process group", "fanout": m["world_size"],
                         "bandwidth": m["bandwidth"] if m["bandwidth"] != float("inf") else 1e12,
                         "latency": m["latency"]}]}

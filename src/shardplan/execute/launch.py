@@ -11,6 +11,7 @@ import tempfile
 
 from shardplan.capture import capture
 from shardplan.capture.models import HF_MODELS, TORCH_MODELS, build, parse_config
+from shardplan.cost.analytic import step_seconds
 from shardplan.cost.tables import build_tables
 from shardplan.execute.apply import ApplyError, check, choose_mesh
 from shardplan.plan import Plan
@@ -55,7 +56,7 @@ def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_mo
         choice = list(solve(tables).choice)
         plan = Plan.from_choice(tables, choice, method="exact")
         check(graph, plan, choose_mesh(graph, plan))
-    return plan, tables.cost_of(choice)
+    return plan, step_seconds(cost_model, tables, choice)
 
 
 # glibc malloc, left to itself, hands every freed block of 128 KiB-32 MiB back to the kernel (or trims
