@@ -34,6 +34,27 @@ def test_plan_json_analytic_default(capsys):
     assert out["peak_memory_bytes"] <= out["memory_limit_bytes"]
 
 
+def test_plan_with_a_jittery_cluster_prints_the_predicted_step(capsys, tmp_path):
+    """A cluster file with ``sync_jitter`` adds ``predicted_step_seconds`` (``cost.analytic.step_seconds``:
+    the cost with the plan's jitter waits in place of the per-op stretch) to ``plan``'s output; one
+    without it does not. On 8 devices every plan waits at least at the end of its step, so the
+    prediction exceeds the cost when no stretch was charged."""
+    import yaml
+
+    from shardplan.cluster import get_cluster
+    from shardplan.cluster.presets import cluster_to_dict
+
+    raw = cluster_to_dict(get_cluster("dgx-a100", devices=8))
+    plain = run_json(capsys, "--model", "mlp", "--devices", "8", "--batch", "64")
+    assert "predicted_step_seconds" not in plain
+    raw["device"]["sync_jitter"] = 0.01
+    path = tmp_path / "jittery.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = run_json(capsys, "--model", "mlp", "--devices", "8", "--batch", "64", "--cluster", str(path))
+    assert out["cost"] == pytest.approx(plain["cost"], rel=1e-12)
+    assert out["predicted_step_seconds"] > out["cost"]
+
+
 def test_nodes_scale_the_cluster(capsys):
     out = run_json(capsys, "--model", "mlp", "--cluster", "dgx-h100", "--nodes", "2")
     assert out["devices"] == 16 and out["cluster"] == "dgx-h100"

@@ -160,7 +160,7 @@ JITTER_SEGMENTS = (1e-3, 4e-3, 16e-3)
 """Seconds of compute between two sync points in ``_sync_jitter``'s rounds."""
 
 
-def _sync_jitter(budget: float = 0.4) -> tuple[float, list]:
+def _sync_jitter(budget: float = 1.0) -> tuple[float, list]:
     """(``Device.sync_jitter`` in s^0.5, the measured points [[compute s, wait s], ...]).
 
     For each length ``T`` in ``JITTER_SEGMENTS``, about ``budget / T`` rounds of ``T`` seconds of

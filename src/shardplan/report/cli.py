@@ -89,9 +89,17 @@ def _plan(args: argparse.Namespace) -> int:
     out = plan.to_dict()
     out.update(baseline_details=details, build_seconds=tables.build_seconds,
                memory_limit_bytes=limit, peak_memory_bytes=solution.memory_bytes)
+    step = None
+    if cluster is not None and cluster.device.sync_jitter and model.name == "analytic":
+        from shardplan.cost.analytic import step_seconds
+
+        step = out["predicted_step_seconds"] = step_seconds(model, tables, solution.choice)
     if _write_json(args, out):
         return 0
     _print(plan, graph, details, solution, limit, tables)
+    if step is not None:
+        print(f"predicted step: {step:.6g} s (the cost with the cluster's sync_jitter waits at this plan's "
+              f"sync points in place of the per-op stretch; what shardplan run predicts)")
     return 0
 
 
