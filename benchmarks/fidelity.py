@@ -31,7 +31,9 @@ the median step ("within 20%" is counted for each).
 Kendall's tau (tau-b: a pair predicted equal, two identical plans, counts as neither agreeing nor
 disagreeing) is given between the predicted ranking and each measured one. The **noise ceiling** is
 tau between the paired rankings of the even and the odd rounds: how well the measurement agrees with
-itself, so a bound on the agreement any prediction can show. Plans that are the same plan (the
+itself, so a bound on the agreement any prediction can show. The rounds are also drawn again with
+replacement (500 draws, seeded) for a 90% interval of the paired and the best-step tau: how far
+another sample of the same machine could move them. Plans that are the same plan (the
 searched plan may be data parallel) are marked ``= other``. With ``--repeats R`` the launch runs R
 times; the numerics are checked (``--check``) on the first.
 """
@@ -86,6 +88,21 @@ def paired(steps: list[list[float]]) -> list[float]:
     per plan, its step times in round order; every plan has the same rounds)."""
     logs = np.log(np.array(steps, dtype=np.float64))  # (plans, rounds)
     return np.exp(np.median(logs - logs.mean(axis=0), axis=1)).tolist()
+
+
+def bootstrap_tau(pred: list[float], rounds: list[list[float]], draws: int = 500, seed: int = 0) -> tuple:
+    """90% intervals (5th, 95th percentile) of tau against ``pred`` when the rounds are drawn again with
+    replacement ``draws`` times: (paired, best). How much a ranking measured on these rounds could move
+    on another sample of the same machine's behaviour; ``rounds``: per plan, its step times in round
+    order."""
+    rng = np.random.default_rng(seed)
+    steps = np.array(rounds, dtype=np.float64)  # (plans, rounds)
+    pairs, bests = [], []
+    for _ in range(draws):
+        pick = steps[:, rng.integers(0, steps.shape[1], steps.shape[1])]
+        pairs.append(kendall_tau(pred, paired(pick.tolist())))
+        bests.append(kendall_tau(pred, pick.min(axis=1).tolist()))
+    return tuple(tuple(float(q) for q in np.nanpercentile(v, [5, 95])) for v in (pairs, bests))
 
 
 def main() -> None:
@@ -171,12 +188,14 @@ def main() -> None:
         within = sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, meas))
         within_med = sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, medians))
         summary.append((name, kendall_tau(pred, meas), kendall_tau(pred, rel), kendall_tau(pred, medians),
-                        kendall_tau(*halves), within, within_med, len(pred), len(rounds[0])))
+                        kendall_tau(*halves), within, within_med, len(pred), len(rounds[0]),
+                        bootstrap_tau(pred, rounds)))
     for line in calibrations:
         print(line)
-    for name, tau, tau_pair, tau_med, ceiling, within, within_med, n, k in summary:
-        print(f"{name}: Kendall tau over {n} plans = {tau:.2f} on best steps, {tau_pair:.2f} paired over {k} "
-              f"rounds, {tau_med:.2f} on medians; noise ceiling (even vs odd rounds) {ceiling:.2f}; "
+    for name, tau, tau_pair, tau_med, ceiling, within, within_med, n, k, (ci_pair, ci_best) in summary:
+        print(f"{name}: Kendall tau over {n} plans = {tau:.2f} on best steps (rounds resampled: 90% in "
+              f"{ci_best[0]:.2f}-{ci_best[1]:.2f}), {tau_pair:.2f} paired over {k} rounds ({ci_pair[0]:.2f}-"
+              f"{ci_pair[1]:.2f}), {tau_med:.2f} on medians; noise ceiling (even vs odd rounds) {ceiling:.2f}; "
               f"{within} of {n} predictions within 20% of the best step, {within_med} of {n} of the median")
 
 
