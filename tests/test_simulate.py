@@ -183,6 +183,29 @@ def zoo_cases():
 CASES = zoo_cases()
 
 
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0].name}-{c[3]}" for c in CASES])
+def test_serial_simulation_with_jitter_equals_the_predicted_step(case):
+    """With a ``sync_jitter`` (and a ``sync_stretch``, which it replaces) on the device, the serial
+    simulation adds up to ``cost.analytic.step_seconds``: the jitter waits are tasks at the plan's
+    sync points, the per-op stretch is gone from the compute, and on more than one device the step
+    ends with a wait."""
+    import dataclasses
+
+    from shardplan.cost.analytic import step_seconds, sync_waits
+
+    g, cl, _, label, choice = case
+    jittery = dataclasses.replace(cl, device=dataclasses.replace(cl.device, sync_jitter=0.01, sync_stretch=0.2))
+    model = AnalyticCostModel(jittery)
+    tables = build_tables(g, model, 8)
+    waits, stretch = sync_waits(model, tables, choice)
+    assert waits > 0 and stretch >= 0
+    serial = simulate(g, jittery, list(choice), tables=tables, overlap=False)
+    assert serial.iteration_seconds == pytest.approx(step_seconds(model, tables, choice), rel=1e-9)
+    assert sum(e.end - e.start for e in serial.events if e.name.startswith("sync wait")) == pytest.approx(waits, rel=1e-9)
+    assert serial.events[-1].name == "sync wait (end of step, slowest rank)"
+    assert_lanes_exclusive(simulate(g, jittery, list(choice), tables=tables))
+
+
 def critical_items_seconds(g, cl, tables, choice):
     """Sum of every critical item of the analytic model but the optimizer updates, plus every edge,
     computed from the model."""

@@ -18,7 +18,12 @@ Per op, in program order (the analytic model's items, ``AnalyticCostModel.node_c
   DDP's gradient hook copies it, which the all-reduce waits for);
 * with ``optimizer=True``, an optimizer update per parameter tile after its gradient is reduced, on
   the compute stream at priority 1 (see :func:`optimizer_seconds`): the model's ``optimizer_update``
-  item, one task per tile. Without overlap the iteration is then the cost tables' ``cost_of``.
+  item, one task per tile. Without overlap the iteration is then the cost tables' ``cost_of``;
+* with a ``sync_jitter`` on the device (and more than one device), a wait task on the comm stream at
+  every sync point of ``cost.analytic.sync_waits``' walk (before a redistribution, before an op's
+  critical collectives, before the gradient reduction, at the step's end), each ``sync_jitter x
+  sqrt(compute since the previous one)``, and the compute tasks without the per-op stretch: without
+  overlap the iteration is then ``cost.analytic.step_seconds``.
 
 Symmetry: under the analytic model every device of an SPMD plan runs the same tasks with the same
 durations (every op's tiles are equal, the cost model prices one device's share), and every member
@@ -28,6 +33,8 @@ exactly "all members free" when all members are alike.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -49,13 +56,14 @@ def optimizer_seconds(cluster: Cluster, optimizer: str, param_tile_bytes: float)
 class OpEntry:
     """One op's tasks for K configurations, as Python lists (fast to index in a search loop)."""
 
-    __slots__ = ("fwd_compute", "bwd_compute", "halo_fwd", "fwd_comm", "bwd_comm", "grad_comm", "grad_pack",
-                 "params", "activations")
+    __slots__ = ("fwd_compute", "bwd_compute", "stretch_fwd", "stretch_bwd", "halo_fwd", "fwd_comm", "bwd_comm",
+                 "grad_comm", "grad_pack", "params", "activations")
 
     def __init__(self, model: AnalyticCostModel, graph: Graph, op, configs: np.ndarray):
         items = model.node_cost_items(graph, op, configs)
         K = len(configs)
         fwd_c, bwd_c = np.zeros(K), np.zeros(K)
+        self.stretch_fwd, self.stretch_bwd = [0.0] * K, [0.0] * K
         self.halo_fwd = None
         self.fwd_comm, self.bwd_comm, self.grad_comm, self.grad_pack = [], [], [], []
         for it in items:
@@ -68,6 +76,8 @@ class OpEntry:
             if it.stream == "compute":
                 fwd_c = fwd_c + fwd
                 bwd_c = bwd_c + bwd
+                if it.name == "sync_wait":  # replaced by the plan's jitter waits when the device has them
+                    self.stretch_fwd, self.stretch_bwd = fwd.tolist(), bwd.tolist()
                 continue
             if it.name == "halo":
                 self.halo_fwd = fwd.tolist()
@@ -156,20 +166,39 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
             static += nbytes[choice[i]]
     tg.static_bytes[dev] = static
 
+    # jitter waits (``cost.analytic.sync_waits``): at every sync point, sync_jitter x sqrt(the compute
+    # since the previous one), in place of the per-op stretch; a task on the comm stream before the
+    # collective it delays
+    jitter = cluster.device.sync_jitter if devices > 1 else 0.0
+    since = 0.0
+
+    def wait(label: str, deps, priority: int = 0) -> int:
+        nonlocal since
+        task = add(f"sync wait ({label})", jitter * math.sqrt(since), [M], deps, priority=priority, kind="wait")
+        since = 0.0
+        return task
+
     fwd_done = [0] * n
     for i in range(n):
         row, ent, name = choice[i], entries[i], names[i]
-        deps = []
+        deps, gate = [], []
+        if jitter and any(cost > 0 for _, cost, _ in incoming[i]):
+            gate = [wait(f"before {name} fwd", [fwd_done[src] for src, _, _ in incoming[i]])]
         for src, cost, label in incoming[i]:
             if cost > 0:
                 deps.append(add(f"redistribute {label} ({names[src]} -> {name}) fwd", 0.5 * cost, [M],
-                                [fwd_done[src]], kind="comm"))
+                                [fwd_done[src]] + gate, kind="comm"))
             else:
                 deps.append(fwd_done[src])
         if ent.halo_fwd is not None and ent.halo_fwd[row] > 0:
             deps = [add(f"{name}.halo fwd", ent.halo_fwd[row], [M], deps, kind="comm")]
         a = ent.activations[row]
-        prev = add(f"{name} fwd", ent.fwd_compute[row], [C], deps, alloc=((dev, a),) if a else ())
+        work = ent.fwd_compute[row] - (ent.stretch_fwd[row] if jitter else 0.0)
+        prev = add(f"{name} fwd", work, [C], deps, alloc=((dev, a),) if a else ())
+        since += work
+        if jitter and ((ent.halo_fwd is not None and ent.halo_fwd[row] > 0)
+                       or any(sec[row] > 0 for _, sec in ent.fwd_comm)):
+            prev = wait(f"after {name} fwd", [prev])
         for label, sec in ent.fwd_comm:
             if sec[row] > 0:
                 prev = add(f"{name}.{label} fwd", sec[row], [M], [prev], kind="comm")
@@ -177,6 +206,8 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
 
     loss = fwd_done[n - 1]
     bwd_done = [0] * n
+    tails: list[int] = []  # the last tasks of the step: gradient all-reduces and updates
+    after_backward = 0.0  # bucket copies and updates: compute after the last backward op
     opt = model.optimizer
     for i in range(n - 1, -1, -1):
         row, ent, name = choice[i], entries[i], names[i]
@@ -188,25 +219,39 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
             else:
                 deps.append(bwd_done[dst])
         a = ent.activations[row]
-        comp = add(f"{name} bwd", ent.bwd_compute[row], [C], deps, free=((dev, a),) if a else ())
+        work = ent.bwd_compute[row] - (ent.stretch_bwd[row] if jitter else 0.0)
+        comp = add(f"{name} bwd", work, [C], deps, free=((dev, a),) if a else ())
+        since += work
         prev = comp
+        if jitter and any(sec[row] > 0 for _, sec in ent.bwd_comm):
+            prev = wait(f"after {name} bwd", [prev])
         for label, sec in ent.bwd_comm:
             if sec[row] > 0:
                 prev = add(f"{name}.{label} bwd", sec[row], [M], [prev], kind="comm")
+        if jitter and any(cost > 0 for _, cost, _ in incoming[i]):
+            prev = wait(f"before {name}'s inputs bwd", [prev])
         bwd_done[i] = prev
         packed: dict[str, int] = {}
         for tensor, sec in ent.grad_pack:
             if sec[row] > 0:
                 packed[tensor] = add(f"{name}.grad_bucket_pack {tensor}", sec[row], [C], [comp])
+                after_backward += sec[row]
         grads: dict[str, int] = {}
         for label, tensor, sec in ent.grad_comm:
             if sec[row] > 0:
                 grads[tensor] = add(f"{name}.{label} {tensor}", sec[row], [M], [packed.get(tensor, comp)],
                                     priority=1, kind="comm")
+                tails.append(grads[tensor])
         if optimizer:
             for tensor, _, tile in ent.params:
-                add(f"{name}.optimizer {tensor}", optimizer_seconds(cluster, opt, tile[row]), [C],
-                    [grads.get(tensor, comp)], priority=1)
+                seconds = optimizer_seconds(cluster, opt, tile[row])
+                tails.append(add(f"{name}.optimizer {tensor}", seconds, [C], [grads.get(tensor, comp)], priority=1))
+                after_backward += seconds
+    if jitter:
+        if any(e.grad_comm and any(sec[choice[i]] > 0 for _, _, sec in e.grad_comm) for i, e in enumerate(entries)):
+            tails.append(wait("gradient reduction", [bwd_done[0]], priority=1))
+        since += after_backward
+        wait("end of step, slowest rank", tails + [bwd_done[0]], priority=1)
     return tg
 
 

@@ -10,7 +10,7 @@ matplotlib is imported only inside :func:`save_timeline_png` (Agg backend, no di
 from __future__ import annotations
 
 STREAM_TIDS = {"compute": 0, "comm": 1, "p2p": 2}
-COLOURS = {"compute": "#4C72B0", "comm": "#DD8452"}
+COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "wait": "#AAAAAA"}
 
 
 def _device_events(result, all_devices: bool):
@@ -75,7 +75,8 @@ def save_timeline_png(result, path: str, all_devices: bool = False) -> str:
     ax.set_xlabel("time (ms)")
     ax.set_xlim(0, max(result.iteration_seconds * 1e3, 1e-9))
     ax.set_title(f"simulated iteration: {result.iteration_seconds * 1e3:.3f} ms")
-    ax.legend(handles=[Patch(color=COLOURS["compute"], label="compute"), Patch(color=COLOURS["comm"], label="comm")],
+    shown = {k for ks in kinds.values() for k in ks} | {"compute", "comm"}
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items() if k in shown],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
