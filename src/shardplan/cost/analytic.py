@@ -21,6 +21,9 @@ op under a configuration ``c`` (split factor per iteration dim) on ``P = prod(c)
   consumer device lacks (PaSE's tile rule) over the lowest network level spanning both ops.
 * memory per device (bytes): parameter tiles x (weight + gradient + optimizer states) plus the
   activation tiles an op keeps for the backward pass (its output and any graph input it reads).
+* per plan, not per op (``sync_waits``, ``step_seconds``): ranks wait for their slowest peer at
+  every sync point, ``sync_jitter x sqrt(compute since the previous one)``; the predicted step swaps
+  these for the per-op ``sync_stretch`` that the search adds up.
 
 ``node_cost_items`` returns these terms itemised (:class:`CostItem`: stream, forward share, on the
 critical path or not) and ``node_costs`` adds them, so the event simulator (``shardplan.simulate``)
