@@ -512,6 +512,22 @@ def test_sync_points_wait_the_square_root_of_the_compute_before_them():
         dataclasses.replace(base.device, sync_jitter=-1.0)
 
 
+def test_jitter_walk_by_hand():
+    """Three ops, jitter 1 s^0.5: forward compute 1, 3, 5 s, backward 2, 2, 4 s; a redistribution
+    feeds op 1, op 2's forward ends in a collective and so does op 0's backward; a gradient reduction
+    follows the backward pass and 9 s of updates end the step. Sync points in program order: before
+    op 1's forward (1 s since the start), after op 2's forward (3 + 5), op 1's inputs in the backward
+    pass (4 + 2), after op 0's backward (2), the reduction (nothing since) and the end (9)."""
+    import math
+
+    from shardplan.cost.analytic import jitter_waits
+
+    waits = jitter_waits(1.0, fwd=[1, 3, 5], bwd=[2, 2, 4], fwd_sync=[False, False, True],
+                         bwd_sync=[True, False, False], moved=[False, True, False], reduces=True, after_backward=9)
+    assert waits == {("before fwd", 1): 1.0, ("after fwd", 2): math.sqrt(8), ("inputs bwd", 1): math.sqrt(6),
+                     ("after bwd", 0): math.sqrt(2), ("reduce", -1): 0.0, ("end", -1): 3.0}
+
+
 def test_bias_gradient_is_whole_under_a_reduction_split():
     """A bias is added to the reduced product, so splitting ``in_features`` leaves its gradient whole
     on every device (as DTensor computes it: Replicate, no collective); a batch split still makes it

@@ -35,6 +35,7 @@ inside a node and data-parallel groups cross nodes (Megatron-LM's placement, Nar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -476,6 +477,43 @@ class AnalyticCostModel:
         return np.where(nbytes > 0, 2.0 * (lat + nbytes / bw), 0.0)
 
 
+def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bool,
+                 after_backward: float) -> dict[tuple[str, int], float]:
+    """Seconds waited at each sync point of one training step, in program order (see ``sync_waits``):
+    ``{("before fwd", i): s, ("after fwd", i): s, ("after bwd", i): s, ("inputs bwd", i): s,
+    ("reduce", -1): s, ("end", -1): s}``, each ``jitter x sqrt(compute since the previous sync
+    point)``. Per op ``i``: ``fwd[i]`` and ``bwd[i]`` its compute in each pass (seconds, no stretch),
+    ``fwd_sync[i]`` / ``bwd_sync[i]`` whether a critical collective ends that pass, ``moved[i]``
+    whether a redistribution feeds it; ``reduces``: a bucketed weight-gradient reduction follows the
+    backward pass; ``after_backward``: the bucket copies and updates before the step's end. The cost
+    model and the event simulator both place their waits by this one walk."""
+    waits: dict[tuple[str, int], float] = {}
+    since = 0.0
+
+    def sync(key: tuple[str, int]) -> None:
+        nonlocal since
+        waits[key] = jitter * math.sqrt(since)
+        since = 0.0
+
+    for i in range(len(fwd)):
+        if moved[i]:
+            sync(("before fwd", i))
+        since += fwd[i]
+        if fwd_sync[i]:
+            sync(("after fwd", i))
+    for i in range(len(fwd) - 1, -1, -1):
+        since += bwd[i]
+        if bwd_sync[i]:
+            sync(("after bwd", i))
+        if moved[i]:
+            sync(("inputs bwd", i))
+    if reduces:
+        sync(("reduce", -1))
+    since += after_backward
+    sync(("end", -1))
+    return waits
+
+
 def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
     """(jitter waits, per-op sync stretch) of one SPMD plan, in seconds per step.
 
@@ -484,7 +522,7 @@ def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
     up over ops. What the ranks actually wait depends on how much compute lies between two sync
     points, which is a property of the whole plan: after ``T`` seconds of compute since the last
     sync point the slowest rank trails by about ``sync_jitter x sqrt(T)`` (``Device.sync_jitter``).
-    The walk below follows one step in program order, as ``shardplan run`` takes it:
+    The walk (``jitter_waits``) follows one step in program order, as ``shardplan run`` takes it:
 
     * forward, op by op: a redistribution into the op (an edge with a cost) is a sync point before
       its compute; a critical collective of its forward (a partial-sum all-reduce, a statistics
@@ -495,48 +533,30 @@ def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
     * the bucket copies and the optimizer update, then the end of the step, timed on the slowest
       rank: the last sync point.
 
-    Each sync point waits ``sync_jitter x sqrt(compute since the previous one)``. The first figure is
-    their sum (0 on one device); the second is what the tables charged instead, the plan's
-    ``sync_wait`` items. ``step_seconds`` swaps one for the other."""
+    The first figure is the waits' sum (0 on one device); the second is what the tables charged
+    instead, the plan's ``sync_wait`` items. ``step_seconds`` swaps one for the other."""
     graph, dev = tables.graph, model.cluster.device
-    incoming = [0.0] * len(graph.ops)
+    moved = [False] * len(graph.ops)
     for e in tables.edges:
-        incoming[e.dst] += float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]])
+        moved[e.dst] = moved[e.dst] or float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]]) > 0
     items = [model.node_cost_items(graph, op, tables.configs[i][choice[i]:choice[i] + 1])
              for i, op in enumerate(graph.ops)]
     stretch = sum(float(it.seconds[0]) for its in items for it in its if it.name == "sync_wait")
     if tables.devices <= 1 or not dev.sync_jitter:
         return 0.0, stretch
-    waits, since = 0.0, 0.0
-
-    def sync() -> None:
-        nonlocal waits, since
-        waits += dev.sync_jitter * float(np.sqrt(since))
-        since = 0.0
-
-    def work(its) -> list[CostItem]:
-        return [it for it in its if it.stream == "compute" and it.name != "sync_wait" and it.name not in PER_ITERATION]
-
-    for i, its in enumerate(items):
-        if incoming[i] > 0:
-            sync()
-        since += sum(float(it.fwd[0]) for it in work(its))
-        if any(it.stream == "comm" and it.critical and it.fwd[0] > 0 for it in its):
-            sync()
-    reduces = False
-    for i in range(len(items) - 1, -1, -1):
-        its = items[i]
-        since += sum(float(it.bwd[0]) for it in work(its))
-        if any(it.stream == "comm" and it.critical and it.bwd[0] > 0 for it in its):
-            sync()
-        if incoming[i] > 0:
-            sync()
-        reduces = reduces or any(it.name == "weight_grad_allreduce" and it.seconds[0] > 0 for it in its)
-    if reduces:
-        sync()
-    since += sum(float(it.seconds[0]) for its in items for it in its if it.name in PER_ITERATION)
-    sync()
-    return waits, stretch
+    work = [[it for it in its if it.stream == "compute" and it.name != "sync_wait" and it.name not in PER_ITERATION]
+            for its in items]
+    crit = [[it for it in its if it.stream == "comm" and it.critical] for its in items]
+    waits = jitter_waits(
+        dev.sync_jitter,
+        fwd=[sum(float(it.fwd[0]) for it in w) for w in work],
+        bwd=[sum(float(it.bwd[0]) for it in w) for w in work],
+        fwd_sync=[any(it.fwd[0] > 0 for it in c) for c in crit],
+        bwd_sync=[any(it.bwd[0] > 0 for it in c) for c in crit],
+        moved=moved,
+        reduces=any(it.name == "weight_grad_allreduce" and it.seconds[0] > 0 for its in items for it in its),
+        after_backward=sum(float(it.seconds[0]) for its in items for it in its if it.name in PER_ITERATION))
+    return sum(waits.values()), stretch
 
 
 def step_seconds(model, tables, choice) -> float:

@@ -34,12 +34,10 @@ exactly "all members free" when all members are alike.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from shardplan.cluster.model import Cluster
-from shardplan.cost.analytic import AnalyticCostModel, update_seconds
+from shardplan.cost.analytic import AnalyticCostModel, jitter_waits, update_seconds
 from shardplan.cost.configs import operand_layouts
 from shardplan.ir.graph import Graph
 from shardplan.plan import Plan
@@ -166,24 +164,35 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
             static += nbytes[choice[i]]
     tg.static_bytes[dev] = static
 
-    # jitter waits (``cost.analytic.sync_waits``): at every sync point, sync_jitter x sqrt(the compute
-    # since the previous one), in place of the per-op stretch; a task on the comm stream before the
-    # collective it delays
+    # jitter waits (``cost.analytic.jitter_waits``, the walk the prediction uses): at every sync point,
+    # sync_jitter x sqrt(the compute since the previous one), in place of the per-op stretch; a task
+    # on the comm stream before the collective it delays
     jitter = cluster.device.sync_jitter if devices > 1 else 0.0
-    since = 0.0
+    waits: dict = {}
+    if jitter:
+        rows = [(choice[i], entries[i]) for i in range(n)]
+        updates = [sum(optimizer_seconds(cluster, model.optimizer, tile[r]) for _, _, tile in e.params) if optimizer
+                   else 0.0 for r, e in rows]
+        waits = jitter_waits(
+            jitter,
+            fwd=[e.fwd_compute[r] - e.stretch_fwd[r] for r, e in rows],
+            bwd=[e.bwd_compute[r] - e.stretch_bwd[r] for r, e in rows],
+            fwd_sync=[(e.halo_fwd is not None and e.halo_fwd[r] > 0) or any(sec[r] > 0 for _, sec in e.fwd_comm)
+                      for r, e in rows],
+            bwd_sync=[any(sec[r] > 0 for _, sec in e.bwd_comm) for r, e in rows],
+            moved=[any(cost > 0 for _, cost, _ in incoming[i]) for i in range(n)],
+            reduces=any(sec[r] > 0 for r, e in rows for _, _, sec in e.grad_comm),
+            after_backward=sum(sec[r] for r, e in rows for _, sec in e.grad_pack) + sum(updates))
 
-    def wait(label: str, deps, priority: int = 0) -> int:
-        nonlocal since
-        task = add(f"sync wait ({label})", jitter * math.sqrt(since), [M], deps, priority=priority, kind="wait")
-        since = 0.0
-        return task
+    def wait(key, label: str, deps, priority: int = 0) -> int:
+        return add(f"sync wait ({label})", waits[key], [M], deps, priority=priority, kind="wait")
 
     fwd_done = [0] * n
     for i in range(n):
         row, ent, name = choice[i], entries[i], names[i]
         deps, gate = [], []
-        if jitter and any(cost > 0 for _, cost, _ in incoming[i]):
-            gate = [wait(f"before {name} fwd", [fwd_done[src] for src, _, _ in incoming[i]])]
+        if ("before fwd", i) in waits:
+            gate = [wait(("before fwd", i), f"before {name} fwd", [fwd_done[src] for src, _, _ in incoming[i]])]
         for src, cost, label in incoming[i]:
             if cost > 0:
                 deps.append(add(f"redistribute {label} ({names[src]} -> {name}) fwd", 0.5 * cost, [M],
@@ -195,10 +204,8 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
         a = ent.activations[row]
         work = ent.fwd_compute[row] - (ent.stretch_fwd[row] if jitter else 0.0)
         prev = add(f"{name} fwd", work, [C], deps, alloc=((dev, a),) if a else ())
-        since += work
-        if jitter and ((ent.halo_fwd is not None and ent.halo_fwd[row] > 0)
-                       or any(sec[row] > 0 for _, sec in ent.fwd_comm)):
-            prev = wait(f"after {name} fwd", [prev])
+        if ("after fwd", i) in waits:
+            prev = wait(("after fwd", i), f"after {name} fwd", [prev])
         for label, sec in ent.fwd_comm:
             if sec[row] > 0:
                 prev = add(f"{name}.{label} fwd", sec[row], [M], [prev], kind="comm")
@@ -207,7 +214,6 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
     loss = fwd_done[n - 1]
     bwd_done = [0] * n
     tails: list[int] = []  # the last tasks of the step: gradient all-reduces and updates
-    after_backward = 0.0  # bucket copies and updates: compute after the last backward op
     opt = model.optimizer
     for i in range(n - 1, -1, -1):
         row, ent, name = choice[i], entries[i], names[i]
@@ -221,21 +227,19 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
         a = ent.activations[row]
         work = ent.bwd_compute[row] - (ent.stretch_bwd[row] if jitter else 0.0)
         comp = add(f"{name} bwd", work, [C], deps, free=((dev, a),) if a else ())
-        since += work
         prev = comp
-        if jitter and any(sec[row] > 0 for _, sec in ent.bwd_comm):
-            prev = wait(f"after {name} bwd", [prev])
+        if ("after bwd", i) in waits:
+            prev = wait(("after bwd", i), f"after {name} bwd", [prev])
         for label, sec in ent.bwd_comm:
             if sec[row] > 0:
                 prev = add(f"{name}.{label} bwd", sec[row], [M], [prev], kind="comm")
-        if jitter and any(cost > 0 for _, cost, _ in incoming[i]):
-            prev = wait(f"before {name}'s inputs bwd", [prev])
+        if ("inputs bwd", i) in waits:
+            prev = wait(("inputs bwd", i), f"before {name}'s inputs bwd", [prev])
         bwd_done[i] = prev
         packed: dict[str, int] = {}
         for tensor, sec in ent.grad_pack:
             if sec[row] > 0:
                 packed[tensor] = add(f"{name}.grad_bucket_pack {tensor}", sec[row], [C], [comp])
-                after_backward += sec[row]
         grads: dict[str, int] = {}
         for label, tensor, sec in ent.grad_comm:
             if sec[row] > 0:
@@ -244,14 +248,12 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
                 tails.append(grads[tensor])
         if optimizer:
             for tensor, _, tile in ent.params:
-                seconds = optimizer_seconds(cluster, opt, tile[row])
-                tails.append(add(f"{name}.optimizer {tensor}", seconds, [C], [grads.get(tensor, comp)], priority=1))
-                after_backward += seconds
-    if jitter:
-        if any(e.grad_comm and any(sec[choice[i]] > 0 for _, _, sec in e.grad_comm) for i, e in enumerate(entries)):
-            tails.append(wait("gradient reduction", [bwd_done[0]], priority=1))
-        since += after_backward
-        wait("end of step, slowest rank", tails + [bwd_done[0]], priority=1)
+                tails.append(add(f"{name}.optimizer {tensor}", optimizer_seconds(cluster, opt, tile[row]), [C],
+                                 [grads.get(tensor, comp)], priority=1))
+    if ("reduce", -1) in waits:
+        tails.append(wait(("reduce", -1), "gradient reduction", [bwd_done[0]], priority=1))
+    if ("end", -1) in waits:
+        wait(("end", -1), "end of step, slowest rank", tails + [bwd_done[0]], priority=1)
     return tg
 
 
