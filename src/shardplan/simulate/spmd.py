@@ -20,10 +20,10 @@ Per op, in program order (the analytic model's items, ``AnalyticCostModel.node_c
   the compute stream at priority 1 (see :func:`optimizer_seconds`): the model's ``optimizer_update``
   item, one task per tile. Without overlap the iteration is then the cost tables' ``cost_of``;
 * with a ``sync_jitter`` on the device (and more than one device), a wait task on the comm stream at
-  every sync point of ``cost.analytic.sync_waits``' walk (before a redistribution, before an op's
-  critical collectives, before the gradient reduction, at the step's end), each ``sync_jitter x
-  sqrt(compute since the previous one)``, and the compute tasks without the per-op stretch: without
-  overlap the iteration is then ``cost.analytic.step_seconds``.
+  every sync point of the prediction's walk (``cost.analytic.jitter_waits``: before a redistribution,
+  before an op's critical collectives, before the gradient reduction, at the step's end), each
+  ``sync_jitter x sqrt(compute since the previous one)``, and the compute tasks without the per-op
+  stretch: without overlap the iteration is then ``cost.analytic.step_seconds``.
 
 Symmetry: under the analytic model every device of an SPMD plan runs the same tasks with the same
 durations (every op's tiles are equal, the cost model prices one device's share), and every member
