@@ -92,6 +92,8 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert cluster.levels[0].fanout == 2
     assert cluster.levels[0].bandwidth > 0 and cluster.levels[0].latency >= 0
     assert cluster.device.sync_stretch >= 0 and cluster.device.sync_jitter >= 0
+    # sharded ops' dispatch: op_overhead times the paired ratio of the probes' residuals
+    assert cluster.device.split_op_overhead is not None and cluster.device.split_op_overhead > 0
     assert cluster.device.pool_bandwidth > 0
     # the convolution curves: the reference point (K = 576, M = 2048) is 1 by definition
     assert [k for k, _ in cluster.device.conv_reduction_efficiency] == [27.0, 144.0, 576.0]

@@ -29,8 +29,10 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   fc1 weight-gradient product: 0.9 ms alone, 3.3 ms in a step). The same small probe run data
   parallel (every op sharded), less its modelled arithmetic and gradient all-reduces, is kept in
   the file's comments only (``data_parallel_probe_op_overhead``), as is a tiny Llama's figure.
-  torch.profiler shows DTensor's dispatch costing the same per call on sharded and replicated
-  tensors, so sharded ops are priced at ``op_overhead`` too (``Device.split_op_overhead`` unset);
+  Sharded ops pay ``split_op_overhead``: ``op_overhead`` times the paired ratio of the two probes'
+  residuals (``_sharded_dispatch_ratio``, 1.42-1.48 here): torch.profiler shows DTensor's dispatch
+  1.5x dearer per call on sharded tensors (31.3 against 20.4 ms for a Llama step's 1060 calls at
+  equal shapes);
 * **sync stretch**: how much longer compute takes when every phase of it ends at a sync point
   (each rank waits for its slowest peer): rounds of a matrix product and a small all-reduce, less the
   products alone and the all-reduces alone, over the products' time, the median over repetitions
@@ -223,12 +225,18 @@ def _sync_jitter(budget: float = 1.0, blocks: int = 3) -> tuple[float, list]:
 
 
 def _probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = False):
-    """(best seconds of one training step, captured graph, dispatch units) of a Llama applied on the
-    mesh of all ranks as ``shardplan run`` applies plans: replicated, or data parallel when
-    ``sharded``; the step is forward, backward, the bucketed gradient reduction and the SGD update
-    ``shardplan run`` takes. Dispatch units: 3 x its exported aten calls plus one per parameter
-    update (the cost model charges each captured op ``3 x dispatches x op_overhead`` and each
-    distinct parameter's update one ``op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size."""
+    """(best seconds of one training step, captured graph, dispatch units) of ``_probe``'s step."""
+    step, graph, units = _probe(p, probe, sharded)
+    return _local_time(step, reps, inner=2), graph, units
+
+
+def _probe(p: int, probe: dict | None = None, sharded: bool = False):
+    """(one training step, captured graph, dispatch units) of a Llama applied on the mesh of all
+    ranks as ``shardplan run`` applies plans: replicated, or data parallel when ``sharded``; the step
+    is forward, backward, the bucketed gradient reduction and the SGD update ``shardplan run`` takes.
+    Dispatch units: 3 x its exported aten calls plus one per parameter update (the cost model charges
+    each captured op ``3 x dispatches x op_overhead`` and each distinct parameter's update one
+    ``op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size."""
     from shardplan.capture import capture
     from shardplan.capture.models import build
     from shardplan.execute.apply import apply
@@ -256,7 +264,40 @@ def _probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = Fa
                     q.add_(q.grad, alpha=-1e-3)
                     q.grad = None
 
-    return _local_time(step, reps, inner=2), graph, 3.0 * calls + updates
+    return step, graph, 3.0 * calls + updates
+
+
+def _sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
+    """How much more a dispatch unit costs on sharded tensors than on replicated ones: ``PROBE`` run
+    replicated and data parallel in turn, ``4 reps`` rounds (each round times two steps of each, on
+    the slowest rank, the two in alternating order), each step less its modelled cost without
+    dispatch (``_probe_tables`` at ``rates``) over its units; the median over rounds of the data-parallel
+    residual over the replicated one. Paired, so that the machine's drift cancels: a data-parallel
+    residual taken on its own (``data_parallel_probe_op_overhead``) read 0.93-1.99x ``op_overhead``
+    across 17 calibrations, the paired ratio 1.42-1.48 in three (torch.profiler: 1.53, DTensor's
+    Python dispatch of a Llama step's 1060 calls at equal shapes). ``split_op_overhead`` is
+    ``op_overhead`` times this ratio."""
+    runs = []
+    for sharded in (False, True):
+        step, graph, units = _probe(p, PROBE, sharded)
+        tables, choice = _probe_tables(graph, p, sharded, **rates)
+        step()
+        runs.append((step, tables.cost_of(choice), units))
+    ratios = []
+    for k in range(4 * reps):
+        residual = [0.0, 0.0]
+        for j in ((0, 1) if k % 2 else (1, 0)):
+            step, cost, units = runs[j]
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            step()
+            t = torch.tensor([(time.perf_counter() - t0) / 2])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            residual[j] = (float(t) - cost) / units
+        if residual[0] > 0 and residual[1] > 0:
+            ratios.append(residual[1] / residual[0])
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def _probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory_bandwidth: float = 1e18,
@@ -431,6 +472,9 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     split_overhead = (_dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
                                          bandwidth=beta, gemm=gemm, efficiency=efficiency) if p > 1 else overhead)
     tiny_overhead = _dispatch_overhead(p, reps)
+    sharded_ratio = (_sharded_dispatch_ratio(p, reps, peak_flops=flops, memory_bandwidth=mem_bw,
+                                             efficiency=efficiency, gemm=gemm, latency=alpha, bandwidth=beta)
+                     if p > 1 else 1.0)
     stretch = _sync_stretch(reps) if p > 1 else 0.0
     jitter, jitter_points = _sync_jitter() if p > 1 else (0.0, [])
     curve = [list(q) for q in gemm]
@@ -442,7 +486,8 @@ def measure(reps: int = 10, n: int = 512) -> dict:
             "pool_bandwidth": pool_bw,
             "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
             "efficiency": efficiency, "probe_step_seconds": probe_seconds,
-            "data_parallel_probe_op_overhead": split_overhead, "sync_stretch": stretch,
+            "data_parallel_probe_op_overhead": split_overhead, "sharded_dispatch_ratio": sharded_ratio,
+            "sync_stretch": stretch,
             "sync_jitter": jitter, "sync_jitter_points": jitter_points,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
             "seconds": {"mm": t_mm, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
@@ -458,7 +503,9 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
                        "conv_reduction_efficiency": m["conv_reduction_efficiency"],
                        "conv_rows_efficiency": m["conv_rows_efficiency"],
                        "gemm_efficiency": m["gemm_efficiency"], "pool_bandwidth": m["pool_bandwidth"],
-                       "sync_stretch": m.get("sync_stretch", 0.0), "sync_jitter": m.get("sync_jitter", 0.0)},
+                       "sync_stretch": m.get("sync_stretch", 0.0), "sync_jitter": m.get("sync_jitter", 0.0),
+                       **({"split_op_overhead": m["op_overhead"] * m["sharded_dispatch_ratio"]}
+                          if m.get("sharded_dispatch_ratio", 0.0) > 0 else {})},
             "levels": [{"name": "process group", "fanout": m["world_size"],
                         "bandwidth": m["bandwidth"] if m["bandwidth"] != float("inf") else 1e12,
                         "latency": m["latency"]}]}
