@@ -30,7 +30,7 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   parallel (every op sharded), less its modelled arithmetic and gradient all-reduces, is kept in
   the file's comments only (``data_parallel_probe_op_overhead``), as is a tiny Llama's figure.
   Sharded ops pay ``split_op_overhead``: ``op_overhead`` times the paired ratio of the two probes'
-  residuals (``_sharded_dispatch_ratio``, 1.42-1.48 here): torch.profiler shows DTensor's dispatch
+  residuals (``_sharded_dispatch_ratio``, 1.39-1.55 here): torch.profiler shows DTensor's dispatch
   1.5x dearer per call on sharded tensors (31.3 against 20.4 ms for a Llama step's 1060 calls at
   equal shapes);
 * **sync stretch**: how much longer compute takes when every phase of it ends at a sync point
@@ -100,16 +100,21 @@ def _local_time(fn, reps: int, inner: int = 8) -> float:
     return min(times)
 
 
-def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
-    """Seconds of an all-reduce issued the way the runtime issues it: a Partial DTensor redistributed
-    to Replicate (functional collective, wait, DTensor bookkeeping: about twice the raw
-    process-group call for small messages on gloo)."""
+def _runtime_all_reduce(buf: torch.Tensor):
+    """A callable that all-reduces a copy of ``buf`` over all ranks the way the runtime issues it: a
+    Partial DTensor redistributed to Replicate (functional collective, wait, DTensor bookkeeping:
+    about twice the raw process-group call for small messages on gloo)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     d = DTensor.from_local(buf.clone(), mesh, [Partial()])
-    return _best_time(lambda: d.redistribute(mesh, [Replicate()]).to_local(), reps)
+    return lambda: d.redistribute(mesh, [Replicate()]).to_local()
+
+
+def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
+    """Best seconds of ``_runtime_all_reduce(buf)``."""
+    return _best_time(_runtime_all_reduce(buf), reps)
 
 
 def _sync_stretch(reps: int, segments: int = 24) -> float:
@@ -122,11 +127,7 @@ def _sync_stretch(reps: int, segments: int = 24) -> float:
     ratios is kept: a difference of separately taken minimums read anywhere from 0 to 0.68 on this
     2-core VM, the paired median 0.16-0.42. Compute phases of 0.7 to 15 ms wait 20-30% of their length."""
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    d = DTensor.from_local(torch.zeros(256), mesh, [Partial()])
+    collective = _runtime_all_reduce(torch.zeros(256))
     x, w = torch.randn(512, 256), torch.randn(256, 1024)
 
     def compute():
@@ -135,12 +136,12 @@ def _sync_stretch(reps: int, segments: int = 24) -> float:
 
     def comm():
         for _ in range(segments):
-            d.redistribute(mesh, [Replicate()]).to_local()
+            collective()
 
     def both():
         for _ in range(segments):
             torch.mm(x, w)
-            d.redistribute(mesh, [Replicate()]).to_local()
+            collective()
 
     def timed(fn) -> float:  # one repetition as _best_time takes it: from a barrier, the slowest rank
         dist.barrier()
@@ -175,15 +176,8 @@ def _sync_jitter(budget: float = 1.0, blocks: int = 3) -> tuple[float, list]:
     rounds dropped) against the mean compute is fitted by least squares to ``wait = j sqrt(T)``:
     ``j = sum(w sqrt(T)) / sum(T)``. The smallest block's ``j`` is kept, as every rate here is the
     fastest repetition's: a block taken during a neighbour's burst read 3-4x the quiet ones."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    d = DTensor.from_local(torch.zeros(256), mesh, [Partial()])
+    collective = _runtime_all_reduce(torch.zeros(256))
     x, w = torch.randn(256, 256), torch.randn(256, 256)
-
-    def collective():
-        d.redistribute(mesh, [Replicate()]).to_local()
 
     torch.mm(x, w)
     t0 = time.perf_counter()
@@ -274,7 +268,7 @@ def _sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
     dispatch (``_probe_tables`` at ``rates``) over its units; the median over rounds of the data-parallel
     residual over the replicated one. Paired, so that the machine's drift cancels: a data-parallel
     residual taken on its own (``data_parallel_probe_op_overhead``) read 0.93-1.99x ``op_overhead``
-    across 17 calibrations, the paired ratio 1.42-1.48 in three (torch.profiler: 1.53, DTensor's
+    across 17 calibrations, the paired ratio 1.39-1.55 in six (torch.profiler: 1.53, DTensor's
     Python dispatch of a Llama step's 1060 calls at equal shapes). ``split_op_overhead`` is
     ``op_overhead`` times this ratio."""
     runs = []
