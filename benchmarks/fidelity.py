@@ -4,12 +4,14 @@
 
 Without ``--cluster`` it runs ``shardplan calibrate`` on the same number of ranks right before each
 model's launches (the shared machine's speed drifts within minutes). For one
-transformer (HF Llama, small config) and one CNN, seven plans each (data parallel, tensor parallel,
+transformer (HF Llama, small config) and one CNN, nine plans each (data parallel, tensor parallel,
 the searched plan, an odd split, fully replicated, tensor parallel only in the MLP, data parallel
-for the first half of the ops only) are written as plan files and run with ``shardplan run --check``,
-all seven in one launch with their steps interleaved round-robin (``shardplan run --plan A --plan B
-...``), so a slow spell of the shared machine slows every plan alike instead of whichever plan
-happened to be running.
+for the first half of the ops only, and two plans drawn op by op at random from the search space,
+seeds 0 and 1, which no one would pick but the model must still rank) are written as plan files and
+run with ``shardplan run --check``, all nine in one launch with their steps interleaved round-robin
+(``shardplan run --plan A --plan B ...``), so a slow spell of the shared machine slows every plan
+alike instead of whichever plan happened to be running. Tau is printed over all nine and over the
+seven hand-made plans alone (the set of sessions 12-13).
 
 What is compared, three ways:
 
@@ -56,7 +58,7 @@ from shardplan.cluster import load_cluster
 from shardplan.cost.analytic import AnalyticCostModel
 from shardplan.cost.tables import build_tables
 from shardplan.execute.launch import RUN_OPTIMIZER
-from shardplan.execute.plans import half_data_parallel, mixed, odd, replicated, tensor_parallel
+from shardplan.execute.plans import half_data_parallel, mixed, odd, random_plan, replicated, tensor_parallel
 from shardplan.plan import Plan
 from shardplan.search.baselines import data_parallel
 from shardplan.search.solve import solve
@@ -140,9 +142,10 @@ def main() -> None:
         graph = capture(module, (), kwargs, name=name)
         tables = build_tables(graph, model, args.devices)
         plans = {"data_parallel": data_parallel(tables), "tensor_parallel": tensor_parallel(tables),
-                 "searched": solve(tables).choice, "odd": odd(tables), "replicated": replicated(tables),
+                 "searched": solve(tables, model=model).choice, "odd": odd(tables), "replicated": replicated(tables),
                  "mlp_tensor_parallel": mixed(tables),
-                 "half_data_parallel": half_data_parallel(tables)}
+                 "half_data_parallel": half_data_parallel(tables),
+                 "random_0": random_plan(tables, 0), "random_1": random_plan(tables, 1)}
         pred, meas, medians = [], [], []
         runs: dict[str, list] = {p: [] for p in plans}
         paths = {}
@@ -187,16 +190,22 @@ def main() -> None:
                   f"{rel[i] / min(rel):.3f} | {'passed' if ok else 'FAILED'} | {100 * spread:.0f}% |", flush=True)
         within = sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, meas))
         within_med = sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, medians))
+        hand = [i for i, p in enumerate(done) if not p.startswith("random")]
         summary.append((name, kendall_tau(pred, meas), kendall_tau(pred, rel), kendall_tau(pred, medians),
                         kendall_tau(*halves), within, within_med, len(pred), len(rounds[0]),
-                        bootstrap_tau(pred, rounds)))
+                        bootstrap_tau(pred, rounds),
+                        (len(hand), kendall_tau([pred[i] for i in hand], [meas[i] for i in hand]),
+                         kendall_tau([pred[i] for i in hand], [rel[i] for i in hand]),
+                         kendall_tau(*[[h[i] for i in hand] for h in halves]))))
     for line in calibrations:
         print(line)
-    for name, tau, tau_pair, tau_med, ceiling, within, within_med, n, k, (ci_pair, ci_best) in summary:
+    for name, tau, tau_pair, tau_med, ceiling, within, within_med, n, k, (ci_pair, ci_best), hand in summary:
         print(f"{name}: Kendall tau over {n} plans = {tau:.2f} on best steps (rounds resampled: 90% in "
               f"{ci_best[0]:.2f}-{ci_best[1]:.2f}), {tau_pair:.2f} paired over {k} rounds ({ci_pair[0]:.2f}-"
               f"{ci_pair[1]:.2f}), {tau_med:.2f} on medians; noise ceiling (even vs odd rounds) {ceiling:.2f}; "
               f"{within} of {n} predictions within 20% of the best step, {within_med} of {n} of the median")
+        print(f"{name}, the {hand[0]} hand-made plans alone (no random plan): tau {hand[1]:.2f} on best steps, "
+              f"{hand[2]:.2f} paired; noise ceiling {hand[3]:.2f}")
 
 
 if __name__ == "__main__":

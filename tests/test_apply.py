@@ -71,11 +71,11 @@ def make_plan(graph, which, devices):
     return Plan.from_choice(tables, list(choice))
 
 
-def run_plan(module, kwargs, graph, plan, devices, reduce=True):
+def run_plan(module, kwargs, graph, plan, devices, reduce=True, mesh_shape=None):
     """Every rank's (loss, full gradients) of one step of ``plan``; ``reduce``: the partial gradients
     are reduced in buckets (``ParallelModule.reduce_gradients``) as ``shardplan run`` reduces them,
-    else DTensor reduces each one when it is read."""
-    shape = choose_mesh(graph, plan)
+    else DTensor reduces each one when it is read. The mesh is ``choose_mesh``'s unless given."""
+    shape = mesh_shape or choose_mesh(graph, plan)
 
     def rank_fn(rank):
         local = copy.deepcopy(module)
@@ -106,6 +106,53 @@ def test_plan_matches_single_device(models, name, which, devices):
     if which != "searched":
         assert any(op.devices > 1 for op in plan.ops), "the plan must actually split something"
     assert_matches(run_plan(module, kwargs, graph, plan, devices), ref_loss, ref_grads)
+
+
+def _split(tables, graph, name, **ways):
+    i = graph.op_index(name)
+    return i, tables.index_of(i, tuple(ways.get(d.name, 1) for d in graph.ops[i].dims))
+
+
+@pytest.mark.parametrize("name,op,ways", [
+    # F.linear flattens (batch, seq): a sequence split over both axes of a 2x2 mesh became a strided
+    # shard that DTensor could not unflatten (torch 2.13); now computed per rank
+    ("llama", "model.layers.0.self_attn.q_proj", {"seq": 4}),
+    ("llama", "model.layers.0.self_attn.o_proj", {"batch": 2, "seq": 2}),
+    ("bert", "bert.encoder.layer.0.output.dense", {"seq": 2, "out_features": 2}),
+    ("llama", "model.layers.1.mlp.down_proj", {"seq": 2, "in_features": 2}),
+    # a convolution's batch over both axes: DTensor's convolution rule has no such strategy
+    ("torch_cnn", "conv2", {"batch": 4}),
+    ("torch_cnn", "conv1", {"batch": 4}),
+])
+def test_products_dtensor_cannot_run_on_a_2x2_mesh_are_computed_per_rank(models, name, op, ways):
+    """Layouts of a linear or a convolution that DTensor's own rules refuse on a 2x2 mesh run as plain
+    per-rank products (``apply._compute_locally``) and still equal single device."""
+    from shardplan.execute.apply import _local_roles
+
+    module, kwargs, graph, loss, ref = models[name]
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=4)), 4)
+    choice = list(data_parallel(tables))
+    i, c = _split(tables, graph, op, **ways)
+    choice[i] = c
+    plan = Plan.from_choice(tables, choice)
+    assert _local_roles(graph.ops[i], plan.mesh_view(graph, (2, 2))[1][i], (2, 2)) is not None
+    assert_matches(run_plan(module, kwargs, graph, plan, 4, mesh_shape=(2, 2)), loss, ref)
+
+
+@pytest.mark.parametrize("name,devices,seed", [("torch_cnn", 4, 0), ("torch_mlp", 4, 1), ("llama", 4, 2),
+                                               ("gpt2", 2, 3), ("bert", 4, 4)])
+def test_a_random_plan_from_the_search_space_runs(models, name, devices, seed):
+    """Any configuration the search may pick, op by op at random from the cost tables' search space
+    (mixing batch, sequence, feature, head and summed-dim splits, on the mesh ``choose_mesh`` lays
+    them on), applies and equals single device: not only the Megatron-shaped plans."""
+    import numpy as np
+
+    module, kwargs, graph, loss, ref = models[name]
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=devices)), devices)
+    rng = np.random.default_rng(seed)
+    plan = Plan.from_choice(tables, [int(rng.integers(len(c))) for c in tables.configs])
+    assert sum(op.devices > 1 for op in plan.ops) > len(plan.ops) // 2
+    assert_matches(run_plan(module, kwargs, graph, plan, devices), loss, ref)
 
 
 def test_plan_of_another_model_is_refused(models):

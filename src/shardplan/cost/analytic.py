@@ -535,28 +535,76 @@ def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
 
     The first figure is the waits' sum (0 on one device); the second is what the tables charged
     instead, the plan's ``sync_wait`` items. ``step_seconds`` swaps one for the other."""
-    graph, dev = tables.graph, model.cluster.device
-    moved = [False] * len(graph.ops)
+    picked = [np.array([c]) for c in choice]
+    return StepObjective(model, tables, picked).sync_waits([0] * len(choice), _moved(tables, choice))
+
+
+def _moved(tables, choice) -> list[bool]:
+    """Per op: whether a redistribution (an edge with a cost) feeds it under ``choice``."""
+    moved = [False] * len(tables.graph.ops)
     for e in tables.edges:
         moved[e.dst] = moved[e.dst] or float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]]) > 0
-    items = [model.node_cost_items(graph, op, tables.configs[i][choice[i]:choice[i] + 1])
-             for i, op in enumerate(graph.ops)]
-    stretch = sum(float(it.seconds[0]) for its in items for it in its if it.name == "sync_wait")
-    if tables.devices <= 1 or not dev.sync_jitter:
-        return 0.0, stretch
-    work = [[it for it in its if it.stream == "compute" and it.name != "sync_wait" and it.name not in PER_ITERATION]
-            for its in items]
-    crit = [[it for it in its if it.stream == "comm" and it.critical] for its in items]
-    waits = jitter_waits(
-        dev.sync_jitter,
-        fwd=[sum(float(it.fwd[0]) for it in w) for w in work],
-        bwd=[sum(float(it.bwd[0]) for it in w) for w in work],
-        fwd_sync=[any(it.fwd[0] > 0 for it in c) for c in crit],
-        bwd_sync=[any(it.bwd[0] > 0 for it in c) for c in crit],
-        moved=moved,
-        reduces=any(it.name == "weight_grad_allreduce" and it.seconds[0] > 0 for its in items for it in its),
-        after_backward=sum(float(it.seconds[0]) for its in items for it in its if it.name in PER_ITERATION))
-    return sum(waits.values()), stretch
+    return moved
+
+
+class StepObjective:
+    """``step_seconds`` of any assignment of a graph's ops, the parts each (op, configuration) adds to
+    the jitter walk computed once, so a local search (``search.polish``) can price thousands of
+    plans. ``rows[i]``: which configurations of op ``i`` to prepare (all by default); assignments
+    then index into ``rows``."""
+
+    def __init__(self, model: "AnalyticCostModel", tables, rows=None):
+        graph = tables.graph
+        self.tables = tables
+        self.jitter = model.cluster.device.sync_jitter if tables.devices > 1 else 0.0
+        rows = rows if rows is not None else [np.arange(len(c)) for c in tables.configs]
+        self.rows = rows
+        parts = {k: [] for k in ("fwd", "bwd", "fwd_sync", "bwd_sync", "stretch", "reduces", "after")}
+        for i, op in enumerate(graph.ops):
+            items = model.node_cost_items(graph, op, tables.configs[i][rows[i]])
+            n = len(rows[i])
+
+            def total(its, part="seconds"):
+                return sum((np.broadcast_to(np.asarray(getattr(it, part), dtype=np.float64), (n,)) for it in its),
+                           np.zeros(n))
+
+            work = [it for it in items if it.stream == "compute" and it.name != "sync_wait"
+                    and it.name not in PER_ITERATION]
+            crit = [it for it in items if it.stream == "comm" and it.critical]
+            parts["fwd"].append(total(work, "fwd"))
+            parts["bwd"].append(total(work, "bwd"))
+            parts["fwd_sync"].append(total(crit, "fwd") > 0)
+            parts["bwd_sync"].append(total(crit, "bwd") > 0)
+            parts["stretch"].append(total([it for it in items if it.name == "sync_wait"]))
+            parts["reduces"].append(total([it for it in items if it.name == "weight_grad_allreduce"]) > 0)
+            parts["after"].append(total([it for it in items if it.name in PER_ITERATION]))
+        self.parts = parts
+
+    def sync_waits(self, choice, moved) -> tuple[float, float]:
+        """(jitter waits, per-op sync stretch) of ``choice`` (indices into ``rows``), as
+        :func:`sync_waits` defines them; ``moved``: per op, whether a redistribution feeds it."""
+        p = self.parts
+        stretch = float(sum(p["stretch"][i][c] for i, c in enumerate(choice)))
+        if not self.jitter:
+            return 0.0, stretch
+        waits = jitter_waits(
+            self.jitter,
+            fwd=[float(p["fwd"][i][c]) for i, c in enumerate(choice)],
+            bwd=[float(p["bwd"][i][c]) for i, c in enumerate(choice)],
+            fwd_sync=[bool(p["fwd_sync"][i][c]) for i, c in enumerate(choice)],
+            bwd_sync=[bool(p["bwd_sync"][i][c]) for i, c in enumerate(choice)],
+            moved=moved,
+            reduces=any(bool(p["reduces"][i][c]) for i, c in enumerate(choice)),
+            after_backward=float(sum(p["after"][i][c] for i, c in enumerate(choice))))
+        return sum(waits.values()), stretch
+
+    def __call__(self, choice) -> float:
+        """Predicted seconds of one step of ``choice`` (configuration indices of the tables; ``rows``
+        must be all configurations): ``step_seconds``."""
+        if not self.jitter:
+            return self.tables.cost_of(choice)
+        waits, stretch = self.sync_waits(choice, _moved(self.tables, choice))
+        return self.tables.cost_of(choice) - stretch + waits
 
 
 def step_seconds(model, tables, choice) -> float:

@@ -12,6 +12,10 @@ For a mesh of the plan's shape (``Plan.mesh_view``: every op's split dims get me
 * the **model inputs** are sharded as the first op that reads them wants; everything between heavy
   modules (norms, attention matmuls, residual adds) follows DTensor's own sharding propagation, and
   plain tensors made inside the model (masks, positions) count as replicated;
+* a linear or convolution whose split DTensor's own rules refuse on a mesh of two or more axes (a
+  sequence split over both axes of a 2x2 mesh, a convolution's batch split four ways) runs as a
+  plain product on each rank's blocks, its output and gradients declared as the DTensors that split
+  makes (``_local_roles``, ``_compute_locally``), so any plan the search can return runs;
 * **gradients** come out of DTensor's autograd as the parameters' placements: replicated weights get
   their all-reduce, sharded ones stay sharded; the gradient of a heavy module's input is brought back
   to the input's placements at the module (a partial gradient is all-reduced there, where the plan
@@ -95,7 +99,7 @@ def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[O
     except (MeshError, PlanError) as exc:
         raise ApplyError(str(exc)) from None
     for op, om in zip(graph.ops, opmeshes):
-        if op.kind != "conv":
+        if op.kind != "conv" or _local_roles(op, om, mesh_shape) is not None:
             continue
         for operand in op.inputs + op.outputs:
             dims = [p.dim for p in placements(operand, om, mesh_shape) if isinstance(p, Shard)]
@@ -294,7 +298,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             in_pl = placements(acts[0], om, shape) if acts else None
             out_pl = placements(op.outputs[0], om, shape)
             hooks[op.module] = (src.shape if src else None, in_pl, out_pl, graph.tensor(op.outputs[0].tensor).shape,
-                                _linear_input(op, om, shape))
+                                _linear_input(op, om, shape), _local_roles(op, om, shape))
     params = dict(module.named_parameters())
     missing = [n for n in placed if n not in params]
     if missing:
@@ -307,7 +311,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
         setattr(sub, attr, nn.Parameter(distribute_tensor(param.detach(), mesh, pl),
                                         requires_grad=param.requires_grad))
     local = dict(graph.meta).get("local_blocks", ())
-    for fqn, (in_shape, in_pl, out_pl, out_shape, linear_in) in hooks.items():
+    for fqn, (in_shape, in_pl, out_pl, out_shape, linear_in, roles) in hooks.items():
         if any(fqn == b or fqn.startswith(b + ".") for b in local):
             continue  # runs inside a local block, on plain tensors
         sub = module.get_submodule(fqn)
@@ -317,6 +321,8 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
         if type(sub).__name__ not in _HOOKED:
             continue
         sub.register_forward_pre_hook(_pre_hook(mesh, in_shape, in_pl, linear_in))
+        if roles is not None:
+            _compute_locally(sub, mesh, roles)
         if type(sub).__name__ == "Conv2d":
             # DTensor's pooling rules lose the global shape of channel-sharded maps (torch 2.13):
             # conv outputs keep only their batch split; the next conv re-shards (locally, no traffic)
@@ -416,6 +422,109 @@ def _run_locally(sub: nn.Module, mesh: DeviceMesh, in_pl, batch_in: int = 0, ep_
     sub.forward = local_forward
 
 
+def _local_roles(op: Op, om: OpMesh, mesh_shape: tuple[int, ...]) -> tuple | None:
+    """What each mesh axis splits of a linear or convolution that must bypass DTensor's own rules,
+    or None for one DTensor runs as it is.
+
+    Two layouts fail there in torch 2.13 on a mesh of two or more axes:
+
+    * a **linear** whose input is split along a leading dim other than the first (the sequence, say)
+      and along a second leading dim or the same one on another axis: ``F.linear`` flattens the
+      leading dims, the split becomes a strided shard on each axis, and unflattening it back raises;
+    * a **convolution** with one tensor axis split over two mesh axes (the batch four ways on a 2x2
+      mesh): DTensor's convolution rule has no such strategy.
+
+    Both are products whose every mesh axis splits one kind of dim, so each rank can compute its
+    block with plain tensors (:func:`_compute_locally`). The roles, one per mesh axis: ``("lead",
+    k)`` splits axis ``k`` of the input and of the output (batch, sequence); ``("out",)`` the output
+    features or channels (weights split the same way); ``("red",)`` the summed dim (a partial sum
+    per rank); None: the axis replicates the op."""
+    if op.kind not in ("fc", "conv") or len(mesh_shape) < 2:
+        return None
+    split = om.placements(mesh_shape)
+    if all(d is None for d in split):
+        return None
+    if op.kind == "fc":
+        if "in_features" not in op.dim_names:
+            return None
+        lead = [n for n in op.dim_names if n not in ("out_features", "in_features")]
+        if len(lead) < 2 or not any(d in lead[1:] for d in split):
+            return None
+        out, red = "out_features", "in_features"
+    else:
+        lead = ["batch"]
+        dims = [d for d in split if d is not None]
+        if len(dims) == len(set(dims)) or any(d not in ("batch", "out_channels", "in_channels") for d in dims):
+            return None
+        out, red = "out_channels", "in_channels"
+    roles = []
+    for d in split:
+        roles.append(None if d is None else ("lead", lead.index(d)) if d in lead else
+                     ("out",) if d == out else ("red",) if d == red else "?")
+    return None if "?" in roles else tuple(roles)
+
+
+def _compute_locally(sub: nn.Module, mesh: DeviceMesh, roles: tuple) -> None:
+    """Run ``sub`` (a ``Linear``, GPT-2's ``Conv1D`` or a ``Conv2d``) on each rank's blocks as plain
+    tensors, its output declared as the DTensor the split makes (``roles``: see :func:`_local_roles`).
+
+    Per mesh axis: a leading split keeps the output split there and leaves the weights' gradients
+    partial (each rank's covers its rows); an output split keeps the output split on its last (a
+    linear's) or channel (a convolution's) axis and leaves the input's gradient partial; a split of
+    the summed dim leaves the output partial, with the bias added on the axis's first rank only (its
+    gradient partial too). The pre-hook has brought the input to the planned layout already."""
+    from torch.distributed.tensor import Partial
+
+    forward = sub.forward
+    conv = isinstance(sub, nn.Conv2d)
+
+    def local_forward(x, *rest):
+        if not isinstance(x, DTensor):
+            return forward(x, *rest)
+        feat = 1 if conv else x.ndim - 1
+        out_pl, x_grad = [], []
+        for i, role in enumerate(roles):
+            if role is None:
+                out_pl.append(Replicate())
+                x_grad.append(Replicate())
+            elif role[0] == "lead":
+                out_pl.append(Shard(role[1]))
+                x_grad.append(Shard(role[1]))
+            elif role[0] == "out":
+                out_pl.append(Shard(feat))
+                x_grad.append(Partial())
+            else:
+                out_pl.append(Partial())
+                x_grad.append(Shard(feat))
+        want = [p if not isinstance(p, Partial) else Replicate() for p in x_grad]
+        want = [Replicate() if r is not None and r[0] == "out" else w for r, w in zip(roles, want)]
+        if tuple(x.placements) != tuple(want):
+            x = x.redistribute(mesh, want)
+        weights = {}
+        for name, w in sub.named_parameters(recurse=False):
+            if not isinstance(w, DTensor):
+                weights[name] = w
+                continue
+            grad_pl = [Partial() if r is not None and (r[0] == "lead" or (r[0] == "red" and name == "bias")) else p
+                       for r, p in zip(roles, w.placements)]
+            local = w.to_local(grad_placements=grad_pl)
+            if name == "bias":
+                red = [i for i, r in enumerate(roles) if r == ("red",)]
+                if any(mesh.get_local_rank(i) != 0 for i in red):
+                    local = local * 0  # the partial sums carry the bias once
+            weights[name] = local
+        xl, w, b = x.to_local(grad_placements=x_grad), weights["weight"], weights.get("bias")
+        if conv:
+            y = sub._conv_forward(xl, w, b)
+        elif isinstance(sub, nn.Linear):
+            y = nn.functional.linear(xl, w, b)
+        else:  # GPT-2's Conv1D: weight (in, out)
+            y = xl @ w if b is None else torch.addmm(b, xl.reshape(-1, xl.shape[-1]), w).view(*xl.shape[:-1], -1)
+        return DTensor.from_local(y, mesh, out_pl, run_check=False)
+
+    sub.forward = local_forward
+
+
 class _GradAt(torch.autograd.Function):
     """Identity forward; backward redistributes the gradient to the placements the input had, so a
     partial input gradient is reduced at the op that made it, as the plan prices it, instead of being
@@ -502,8 +611,13 @@ def _post_hook(mesh, out_shape, target):
     def hook(mod, args, out):
         if isinstance(out, DTensor):
             if tuple(out.shape) == tuple(out_shape):
-                return out.redistribute(mesh, target) if tuple(out.placements) != tuple(target) else out
-            if any(p.is_partial() for p in out.placements):  # reduce partial sums at the op, as planned
-                return out.redistribute(mesh, [Replicate() if p.is_partial() else p for p in out.placements])
+                out = out.redistribute(mesh, target) if tuple(out.placements) != tuple(target) else out
+            elif any(p.is_partial() for p in out.placements):  # reduce partial sums at the op, as planned
+                out = out.redistribute(mesh, [Replicate() if p.is_partial() else p for p in out.placements])
+            if mesh.ndim > 1 and out.requires_grad:
+                # the output's gradient comes back in the output's layout: on two or more mesh axes
+                # DTensor's backward may otherwise hand a linear a gradient split along the sequence
+                # over both axes, which its flatten turns into a strided shard it cannot unflatten
+                out = _GradAt.apply(out)
         return out
     return hook

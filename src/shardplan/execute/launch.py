@@ -53,8 +53,9 @@ def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_mo
         check(graph, plan, choose_mesh(graph, plan))
         choice = plan.to_choice(tables)
     else:
-        choice = list(solve(tables).choice)
-        plan = Plan.from_choice(tables, choice, method="exact")
+        sol = solve(tables, model=cost_model)
+        choice = list(sol.choice)
+        plan = Plan.from_choice(tables, choice, method=sol.method, optimal=sol.optimal, note=sol.note)
         check(graph, plan, choose_mesh(graph, plan))
     return plan, step_seconds(cost_model, tables, choice)
 

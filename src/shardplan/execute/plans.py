@@ -6,7 +6,9 @@ by its features. ``odd`` is data parallel plus one unusual split (the LM head's 
 CNN's first linear split-K).
 ``replicated`` runs everything everywhere. ``mixed`` is tensor parallel in the MLP blocks and data
 parallel elsewhere. ``half_data_parallel`` is data parallel up to the middle op and replicated after
-(one all-gather of the batch between), a plan whose cost lies between the two. ``expert_parallel``
+(one all-gather of the batch between), a plan whose cost lies between the two. ``random_plan`` draws each op's
+configuration uniformly from the search space (seeded): a plan no one would pick by hand, with
+redistributions wherever neighbours disagree, that the cost model must still price. ``expert_parallel``
 is data parallel with each mixture-of-experts block's experts split over as many devices as divide
 them, the rest of the devices splitting its batch.
 """
@@ -110,3 +112,9 @@ def expert_parallel(tables: CostTables) -> list[int]:
         b = math.gcd(op.dim("batch").size, p // e)
         choice[i] = _config(tables, i, experts=e, batch=b)
     return choice
+
+
+def random_plan(tables: CostTables, seed: int) -> list[int]:
+    """Each op's configuration drawn uniformly from the tables' search space (``numpy`` seeded)."""
+    rng = np.random.default_rng(seed)
+    return [int(rng.integers(len(c))) for c in tables.configs]

@@ -72,7 +72,7 @@ def _plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     tables = _build(graph, model, devices, quiet)
     try:
-        solution = _search(tables, limit, args.time_limit, quiet)
+        solution = _search(tables, limit, args.time_limit, quiet, model)
     except PlanDoesNotFit as exc:
         raise UsageError(str(exc)) from None
     seconds = time.perf_counter() - start
@@ -224,13 +224,13 @@ def _build(graph, model, devices, quiet):
         return build_tables(graph, model, devices, progress=lambda i, n: progress.update(task, completed=i))
 
 
-def _search(tables, limit, time_limit, quiet):
+def _search(tables, limit, time_limit, quiet, model=None):
     if quiet:
-        return solve(tables, memory_limit_bytes=limit, time_limit_s=time_limit)
+        return solve(tables, memory_limit_bytes=limit, time_limit_s=time_limit, model=model)
     from rich.console import Console
 
     with Console(stderr=True).status("searching (Ctrl-C returns the best plan so far)"):
-        return solve(tables, memory_limit_bytes=limit, time_limit_s=time_limit)
+        return solve(tables, memory_limit_bytes=limit, time_limit_s=time_limit, model=model)
 
 
 def _print(plan: Plan, graph, details, solution, limit, tables) -> None:
