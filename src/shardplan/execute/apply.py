@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import threading
 
 import torch
 from torch import nn
@@ -165,18 +166,31 @@ def _to_layout(x, mesh: DeviceMesh, target):
     return x
 
 
+_IMPLICIT = {"lock": threading.Lock(), "open": 0, "found": False}
+
+
 @contextlib.contextmanager
 def implicit_replication():
-    """DTensor's ``implicit_replication`` made re-entrant: torch 2.13's resets the flag to False on exit,
-    so a forward (which enters it) run inside a caller's block would switch it off for the backward
-    that follows in the same block. This one restores the value it found."""
+    """DTensor's ``implicit_replication`` made re-entrant and thread-safe. torch 2.13's sets a
+    process-wide flag and resets it to False on exit, so a forward (which enters it) run inside a
+    caller's block would switch it off for the backward that follows in the same block; and with the
+    ranks as threads of one process (``execute.threaded``), restoring the value found let one rank
+    leaving its forward switch it off under another rank still inside its own. Here the flag is on
+    while any block is open, counted under a lock, and back to the value found when the last one
+    closes."""
     dispatcher = DTensor._op_dispatcher
-    before = dispatcher._allow_implicit_replication
-    dispatcher._allow_implicit_replication = True
+    with _IMPLICIT["lock"]:
+        if _IMPLICIT["open"] == 0:
+            _IMPLICIT["found"] = dispatcher._allow_implicit_replication
+        _IMPLICIT["open"] += 1
+        dispatcher._allow_implicit_replication = True
     try:
         yield
     finally:
-        dispatcher._allow_implicit_replication = before
+        with _IMPLICIT["lock"]:
+            _IMPLICIT["open"] -= 1
+            if _IMPLICIT["open"] == 0:
+                dispatcher._allow_implicit_replication = _IMPLICIT["found"]
 
 
 def reduce_gradients(parameters, mesh: DeviceMesh, bucket_bytes: float = GRAD_BUCKET_BYTES) -> int:
