@@ -166,6 +166,46 @@ def test_redistribution_edge():
     assert e.cost[e.src_class[src], e.dst_class[same]] == 0.0
 
 
+def test_redistribution_edge_moves_each_way_what_that_way_lacks():
+    """A batch-split producer feeding a linear split over its output features, which reads its input
+    whole: forward, each of the 4 devices lacks 3/4 of the input; backward, the gradient's whole tile
+    counts as held on one device (PaSE's rule for an unsplit tile), so each producer device lacks
+    its 1/4 quarter. The reverse edge (a whole output from a summed-dim split, read batch-split)
+    moves 1/4 forward and 3/4 backward: the same price. With a redistribution overhead h each
+    direction that changes the layout adds h; equal layouts cost nothing."""
+    import dataclasses
+
+    b = GraphBuilder("two")
+    x = b.input("x", (64, 256), ("batch", "features"))
+    y = b.linear(x, 256, name="a")
+    b.linear(y, 512, name="b")
+    g = b.build()
+    full = 4 * 64 * 256
+    h = 150e-6
+    base = cluster()
+    for dev, extra in ((base.device, 0.0), (dataclasses.replace(base.device, redistribute_overhead=h), 2 * h)):
+        tables = build_tables(g, AnalyticCostModel(dataclasses.replace(base, device=dev)), 4)
+        e = tables.edges[0]
+        batch_split = tables.index_of(0, (4, 1, 1))
+        whole_input = tables.index_of(1, (1, 4, 1))  # b's out_features split 4 ways
+        assert e.cost[e.src_class[batch_split], e.dst_class[whole_input]] == pytest.approx(
+            (ALPHA0 + 0.75 * full / BETA0) + (ALPHA0 + 0.25 * full / BETA0) + extra, rel=1e-12)
+        whole_output = tables.index_of(0, (1, 1, 4))  # a's sum split 4 ways: y whole (summed) everywhere
+        b_batch = tables.index_of(1, (4, 1, 1))
+        assert e.cost[e.src_class[whole_output], e.dst_class[b_batch]] == pytest.approx(
+            (ALPHA0 + 0.25 * full / BETA0) + (ALPHA0 + 0.75 * full / BETA0) + extra, rel=1e-12)
+        assert e.cost[e.src_class[batch_split], e.dst_class[b_batch]] == 0.0
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+
+    slow = dataclasses.replace(base, device=dataclasses.replace(base.device, redistribute_overhead=h))
+    assert cluster_from_dict(cluster_to_dict(slow)).device.redistribute_overhead == h
+    assert "redistribute_overhead" not in cluster_to_dict(base)["device"]
+    with pytest.raises(ClusterError, match="redistribute_overhead"):
+        dataclasses.replace(base.device, redistribute_overhead=-1.0)
+
+
 def random_graph(rng):
     """Chains with skips of conv / pool / norm / relu / add and a linear head."""
     b = GraphBuilder(f"cnn{rng.integers(1 << 30)}")

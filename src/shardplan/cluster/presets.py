@@ -79,7 +79,7 @@ _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memo
                   "efficiency": float, "op_overhead": float, "conv_efficiency": float, "gemm_efficiency": list,
                   "conv_reduction_efficiency": list, "conv_rows_efficiency": list,
                   "split_op_overhead": float, "sync_stretch": float, "sync_jitter": float,
-                  "pool_bandwidth": float}
+                  "pool_bandwidth": float, "redistribute_overhead": float}
 _LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float}
 
 
@@ -181,6 +181,7 @@ def cluster_to_dict(cluster: Cluster) -> dict:
                        **({"split_op_overhead": d.split_op_overhead} if d.split_op_overhead is not None else {}),
                        **({"sync_stretch": d.sync_stretch} if d.sync_stretch else {}),
                        **({"sync_jitter": d.sync_jitter} if d.sync_jitter else {}),
-                       **({"pool_bandwidth": d.pool_bandwidth} if d.pool_bandwidth is not None else {})},
+                       **({"pool_bandwidth": d.pool_bandwidth} if d.pool_bandwidth is not None else {}),
+                       **({"redistribute_overhead": d.redistribute_overhead} if d.redistribute_overhead else {})},
             "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency}
                        for lv in cluster.levels]}

@@ -468,13 +468,20 @@ class AnalyticCostModel:
     # -- edge costs ----------------------------------------------------------------------------------
     def edge_costs(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
                    dst_layouts: np.ndarray) -> np.ndarray:
-        """Seconds to move a tensor (and its gradient back) between every pair of layouts."""
-        nbytes = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
+        """Seconds to move a tensor between every pair of layouts and its gradient back: forward, what
+        a consumer device lacks of its tile; backward, what a producer device lacks of the gradient's
+        tile (both by PaSE's rule, ``redistribution_words``); each move that carries bytes pays the
+        level's latency, and each direction that changes the layout the device's
+        ``redistribute_overhead`` (docs/cost_model.md, *Redistribution on edges*)."""
+        fwd = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
+        bwd = redistribution_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes
         span = np.maximum(np.prod(src_layouts, axis=1)[:, None], np.prod(dst_layouts, axis=1)[None, :])
         level = self.cluster.level_of_span(span)
         bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]
         lat = np.array([lv.latency for lv in self.cluster.levels])[level]
-        return np.where(nbytes > 0, 2.0 * (lat + nbytes / bw), 0.0)
+        moves = np.where(fwd > 0, lat + fwd / bw, 0.0) + np.where(bwd > 0, lat + bwd / bw, 0.0)
+        changed = (src_layouts[:, None, :] != dst_layouts[None, :, :]).any(axis=2)
+        return moves + np.where(changed, 2.0 * self.cluster.device.redistribute_overhead, 0.0)
 
 
 def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bool,

@@ -42,6 +42,10 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   compute: rounds of 1, 4 and 16 ms of matrix products, each followed by a small all-reduce, fitted
   to ``wait = sync_jitter x sqrt(T)`` (``_sync_jitter``); ``cost.analytic.step_seconds`` charges it
   at every sync point of a plan's step (the cost tables keep the per-op ``sync_stretch``);
+* **redistribution overhead**: a DTensor redistribution that moves no byte (Replicate -> Shard, a
+  local chunk with its autograd node; ``_redistribute_overhead``), charged per direction of every
+  edge whose layouts differ (``Device.redistribute_overhead``): a plan that changes layouts often
+  pays it tens of times a step;
 * **network**: all-reduce times of a small (1 KB) and a large (16 MB) message, issued as the runtime
   issues them (a Partial DTensor redistributed to Replicate: on gloo about twice the raw
   process-group call for small messages; the raw times are kept in the file's comments), fitted to
@@ -110,6 +114,19 @@ def _runtime_all_reduce(buf: torch.Tensor):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     d = DTensor.from_local(buf.clone(), mesh, [Partial()])
     return lambda: d.redistribute(mesh, [Replicate()]).to_local()
+
+
+def _redistribute_overhead(reps: int) -> float:
+    """Best seconds of one DTensor redistribution that moves no byte: a Replicate tensor that needs
+    its gradient, cut to Shard(0) on the mesh of all ranks (placement planning, the local chunk, the
+    autograd node). The cost model charges it per direction of every edge whose layouts differ
+    (``Device.redistribute_overhead``), beside the latency and bytes of any collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    d = DTensor.from_local(torch.zeros(64, 16, requires_grad=True), mesh, [Replicate()])
+    return _local_time(lambda: d.redistribute(mesh, [Shard(0)]).to_local(), reps)
 
 
 def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
@@ -435,6 +452,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     raw_large = _best_time(lambda: dist.all_reduce(large), reps)
     # small messages are cheap to repeat and their latency is noisy on shared machines: 4x the reps
     t_small, t_large = _dtensor_all_reduce(small, 4 * reps), _dtensor_all_reduce(large, reps)
+    redistribute = _redistribute_overhead(4 * reps) if p > 1 else 0.0
     if p > 1:
         alpha = t_small / (2.0 * (p - 1))
         nbytes = large.numel() * 4
@@ -483,6 +501,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
             "data_parallel_probe_op_overhead": split_overhead, "sharded_dispatch_ratio": sharded_ratio,
             "sync_stretch": stretch,
             "sync_jitter": jitter, "sync_jitter_points": jitter_points,
+            "redistribute_overhead": redistribute,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
             "seconds": {"mm": t_mm, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
@@ -498,6 +517,7 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
                        "conv_rows_efficiency": m["conv_rows_efficiency"],
                        "gemm_efficiency": m["gemm_efficiency"], "pool_bandwidth": m["pool_bandwidth"],
                        "sync_stretch": m.get("sync_stretch", 0.0), "sync_jitter": m.get("sync_jitter", 0.0),
+                       "redistribute_overhead": m.get("redistribute_overhead", 0.0),
                        **({"split_op_overhead": m["op_overhead"] * m["sharded_dispatch_ratio"]}
                           if m.get("sharded_dispatch_ratio", 0.0) > 0 else {})},
             "levels": [{"name": "process group", "fanout": m["world_size"],

@@ -393,7 +393,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     lv = c.levels[0]
     print(f"wrote {args.out}: {c.device.peak_flops / 1e9:.3g} GFLOP/s matmul per rank, "
           f"{c.device.memory_bandwidth / 1e9:.3g} GB/s memory, {lv.fanout} ranks: all-reduce "
-          f"{lv.bandwidth / 1e9:.3g} GB/s, latency {lv.latency * 1e6:.3g} us")
+          f"{lv.bandwidth / 1e9:.3g} GB/s, latency {lv.latency * 1e6:.3g} us, redistribution "
+          f"{c.device.redistribute_overhead * 1e6:.3g} us")
     return 0
 
 
