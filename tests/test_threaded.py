@@ -69,3 +69,16 @@ def test_implicit_replication_stays_on_while_any_block_is_open():
         t.join(10)
     assert seen == {"after a left": True, "after a nested block": True}
     assert dispatcher._allow_implicit_replication is False
+
+
+def test_a_run_past_its_timeout_is_stopped_and_the_next_run_works():
+    """Rank 0 waits in a barrier rank 1 never joins: the run is stopped after its timeout with an
+    error naming the rank, and the ranks' threads serve the next run."""
+    def fn(rank):
+        if rank == 0:
+            dist.barrier()
+        return rank
+
+    with pytest.raises(TimeoutError, match="rank 0 of 2 did not finish within 1 s"):
+        run_threaded(2, fn, timeout=1.0)
+    assert run_threaded(2, lambda rank: rank) == [0, 1]

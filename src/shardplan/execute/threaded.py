@@ -73,6 +73,12 @@ def run_threaded(world_size: int, fn, timeout: float = 300.0):
             q.put(lambda rank=rank: worker(rank))
         for rank, event in enumerate(done):
             if not event.wait(timeout):
+                # stop the ranks waiting in a collective; threads still busy after that are given up,
+                # and the next run of this world size gets fresh ones
+                ProcessLocalGroup.exception_handle(TimeoutError())
+                if not all(e.wait(10.0) for e in done):
+                    with _POOL_LOCK:
+                        _POOLS.pop(world_size, None)
                 raise TimeoutError(f"rank {rank} of {world_size} did not finish within {timeout:.0f} s")
         if errors:
             # a rank that fails sets the group's termination flag, and the ranks waiting in a collective
