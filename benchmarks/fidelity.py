@@ -26,7 +26,7 @@ What is compared, three ways:
   moves a median little. Printed relative to the fastest plan's.
 * **median**: the median step, as ``shardplan run`` reports it (``measured_step_seconds``).
 
-The prediction is ``shardplan run``'s ``predicted_step_seconds`` (``cost.analytic.step_seconds``): the
+The prediction is ``shardplan run``'s ``predicted_step_seconds`` (``cost.step.step_seconds``): the
 expected step, waits at sync points included (``sync_jitter``), so it is set against both the best and
 the median step ("within 20%" is counted for each).
 

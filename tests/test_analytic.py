@@ -521,7 +521,7 @@ def test_sync_points_wait_the_square_root_of_the_compute_before_them():
 
     from shardplan.cluster.model import ClusterError
     from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
-    from shardplan.cost.analytic import step_seconds, sync_waits
+    from shardplan.cost.step import step_seconds, sync_waits
 
     j, rho = 0.02, 0.25
     base = cluster()
@@ -560,7 +560,7 @@ def test_jitter_walk_by_hand():
     pass (4 + 2), after op 0's backward (2), the reduction (nothing since) and the end (9)."""
     import math
 
-    from shardplan.cost.analytic import jitter_waits
+    from shardplan.cost.step import jitter_waits
 
     waits = jitter_waits(1.0, fwd=[1, 3, 5], bwd=[2, 2, 4], fwd_sync=[False, False, True],
                          bwd_sync=[True, False, False], moved=[False, True, False], reduces=True, after_backward=9)

@@ -35,7 +35,7 @@ def test_plan_json_analytic_default(capsys):
 
 
 def test_plan_with_a_jittery_cluster_prints_the_predicted_step(capsys, tmp_path):
-    """A cluster file with ``sync_jitter`` adds ``predicted_step_seconds`` (``cost.analytic.step_seconds``:
+    """A cluster file with ``sync_jitter`` adds ``predicted_step_seconds`` (``cost.step.step_seconds``:
     the cost with the plan's jitter waits in place of the per-op stretch) to ``plan``'s output; one
     without it does not. With it the plan is also polished on that prediction (``search.polish``):
     its per-op cost may rise above the exact optimum's, its predicted step may not."""
@@ -54,7 +54,8 @@ def test_plan_with_a_jittery_cluster_prints_the_predicted_step(capsys, tmp_path)
     # the search is polished on the predicted step: never below the per-op sum's exact optimum, and
     # never predicted slower than that optimum's plan
     from shardplan.cluster import load_cluster
-    from shardplan.cost.analytic import AnalyticCostModel, step_seconds
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.step import step_seconds
     from shardplan.cost.tables import build_tables
     from shardplan.zoo import build_model
 

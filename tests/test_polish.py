@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from shardplan.cluster import get_cluster
-from shardplan.cost.analytic import AnalyticCostModel, StepObjective, step_seconds
+from shardplan.cost.analytic import AnalyticCostModel
+from shardplan.cost.step import StepObjective, step_seconds
 from shardplan.cost.tables import build_tables
 from shardplan.search.baselines import all_baselines
 from shardplan.search.polish import polish

@@ -186,12 +186,12 @@ CASES = zoo_cases()
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0].name}-{c[3]}" for c in CASES])
 def test_serial_simulation_with_jitter_equals_the_predicted_step(case):
     """With a ``sync_jitter`` (and a ``sync_stretch``, which it replaces) on the device, the serial
-    simulation adds up to ``cost.analytic.step_seconds``: the jitter waits are tasks at the plan's
+    simulation adds up to ``cost.step.step_seconds``: the jitter waits are tasks at the plan's
     sync points, the per-op stretch is gone from the compute, and on more than one device the step
     ends with a wait."""
     import dataclasses
 
-    from shardplan.cost.analytic import step_seconds, sync_waits
+    from shardplan.cost.step import step_seconds, sync_waits
 
     g, cl, _, label, choice = case
     jittery = dataclasses.replace(cl, device=dataclasses.replace(cl.device, sync_jitter=0.01, sync_stretch=0.2))

@@ -78,7 +78,7 @@ class Device:
     end of a step timed on the slowest rank) waits that long. On this 2-core VM, compute phases of 0.5,
     2, 8 and 32 ms followed by an all-reduce waited 0.45, 0.85, 1.9 and 2.7 ms (about
     ``0.019 sqrt(T)``): a square-root law, not a fixed fraction. A plan-level term
-    (``cost.analytic.step_seconds``: it depends on where the plan's sync points fall, so it has no
+    (``cost.step.step_seconds``: it depends on where the plan's sync points fall, so it has no
     per-op share); 0 for the datasheet presets, measured by ``shardplan calibrate``."""
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
     """A matrix product's FLOP rate over the large matmul's, by the product's smallest local dimension:

@@ -40,7 +40,7 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   whose pass ends in a collective on the critical path;
 * **sync jitter**: how long a rank waits at a sync point for its slowest peer after ``T`` seconds of
   compute: rounds of 1, 4 and 16 ms of matrix products, each followed by a small all-reduce, fitted
-  to ``wait = sync_jitter x sqrt(T)`` (``_sync_jitter``); ``cost.analytic.step_seconds`` charges it
+  to ``wait = sync_jitter x sqrt(T)`` (``_sync_jitter``); ``cost.step.step_seconds`` charges it
   at every sync point of a plan's step (the cost tables keep the per-op ``sync_stretch``);
 * **redistribution overhead**: a DTensor redistribution that moves no byte (Replicate -> Shard, a
   local chunk with its autograd node; ``_redistribute_overhead``), charged per direction of every

@@ -11,7 +11,7 @@ import tempfile
 
 from shardplan.capture import capture
 from shardplan.capture.models import HF_MODELS, TORCH_MODELS, build, parse_config
-from shardplan.cost.analytic import step_seconds
+from shardplan.cost.step import step_seconds
 from shardplan.cost.tables import build_tables
 from shardplan.execute.apply import ApplyError, check, choose_mesh
 from shardplan.plan import Plan

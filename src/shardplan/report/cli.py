@@ -91,7 +91,7 @@ def _plan(args: argparse.Namespace) -> int:
                memory_limit_bytes=limit, peak_memory_bytes=solution.memory_bytes)
     step = None
     if cluster is not None and cluster.device.sync_jitter and model.name == "analytic":
-        from shardplan.cost.analytic import step_seconds
+        from shardplan.cost.step import step_seconds
 
         step = out["predicted_step_seconds"] = step_seconds(model, tables, solution.choice)
     if _write_json(args, out):

@@ -1,7 +1,7 @@
 """Local refinement of a plan on an objective that does not add up over ops.
 
 The exact search minimises a sum of per-op and per-edge costs, which is what makes it exact. The
-predicted step of a plan on a cluster with a ``sync_jitter`` (``cost.analytic.step_seconds``) has one
+predicted step of a plan on a cluster with a ``sync_jitter`` (``cost.step.step_seconds``) has one
 term that is not such a sum: a rank waits at a sync point for about ``sync_jitter x sqrt(T)``, ``T``
 the compute since the *previous* sync point, so what a redistribution costs depends on where the
 plan's other sync points fall. The search prices that wait per op instead (``sync_stretch``); where

@@ -13,7 +13,7 @@
 4. A time limit or Ctrl-C stops the search; the best plan found so far comes back (the best feasible
    Lagrangian plan, else the cheapest fitting baseline or greedy plan), flagged not optimal.
 5. Given the cost ``model`` and a cluster with a ``sync_jitter``, the plan is then refined on the
-   predicted step (``cost.analytic.step_seconds``, whose jitter waits are a whole-plan term the sum
+   predicted step (``cost.step.step_seconds``, whose jitter waits are a whole-plan term the sum
    above prices per op): ``search.polish`` descends from the exact plan and from the best baseline
    and keeps the better, so the answer is never predicted slower than data parallelism. A plan the
    refinement changed is flagged not optimal (it is no longer the sum's proven optimum) and its note
@@ -51,7 +51,7 @@ class Solution:
     searches: int
     note: str = ""
     step_seconds: float | None = None
-    """The predicted step (``cost.analytic.step_seconds``) when ``solve`` was given a jittery model."""
+    """The predicted step (``cost.step.step_seconds``) when ``solve`` was given a jittery model."""
 
 
 def memory_of(tables: CostTables, choice) -> float:
@@ -147,7 +147,8 @@ def _refine(sol: Solution, tables: CostTables, model, limit: float, deadline, bu
     """Step 5 of the module docstring: polish on the predicted step when the model has jitter waits."""
     from dataclasses import replace
 
-    from shardplan.cost.analytic import AnalyticCostModel, StepObjective
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.step import StepObjective
     from shardplan.search.polish import polish
 
     if (not isinstance(model, AnalyticCostModel) or not model.cluster.device.sync_jitter

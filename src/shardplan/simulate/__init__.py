@@ -34,7 +34,7 @@ def simulate(graph, cluster, plan, *, overlap: bool = True, optimizer: bool = Tr
       devices); it must be the cluster the plan was priced on for the numbers to agree.
     * ``overlap``: False puts every task of a device on one serial timeline (nothing overlaps; the
       iteration then equals the cost model's ``tables.cost_of(choice)``, whose tables price the same
-      optimizer, or ``cost.analytic.step_seconds`` when the cluster's device has a ``sync_jitter``:
+      optimizer, or ``cost.step.step_seconds`` when the cluster's device has a ``sync_jitter``:
       its waits at the plan's sync points then replace the per-op stretch, as tasks on the comm
       stream).
     * ``optimizer``: add an update per parameter tile (``optimizer_name``: adam | sgd_momentum | sgd);

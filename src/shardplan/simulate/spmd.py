@@ -20,10 +20,10 @@ Per op, in program order (the analytic model's items, ``AnalyticCostModel.node_c
   the compute stream at priority 1 (see :func:`optimizer_seconds`): the model's ``optimizer_update``
   item, one task per tile. Without overlap the iteration is then the cost tables' ``cost_of``;
 * with a ``sync_jitter`` on the device (and more than one device), a wait task on the comm stream at
-  every sync point of the prediction's walk (``cost.analytic.jitter_waits``: before a redistribution,
+  every sync point of the prediction's walk (``cost.step.jitter_waits``: before a redistribution,
   before an op's critical collectives, before the gradient reduction, at the step's end), each
   ``sync_jitter x sqrt(compute since the previous one)``, and the compute tasks without the per-op
-  stretch: without overlap the iteration is then ``cost.analytic.step_seconds``.
+  stretch: without overlap the iteration is then ``cost.step.step_seconds``.
 
 Symmetry: under the analytic model every device of an SPMD plan runs the same tasks with the same
 durations (every op's tiles are equal, the cost model prices one device's share), and every member
@@ -37,7 +37,8 @@ from __future__ import annotations
 import numpy as np
 
 from shardplan.cluster.model import Cluster
-from shardplan.cost.analytic import AnalyticCostModel, jitter_waits, update_seconds
+from shardplan.cost.analytic import AnalyticCostModel, update_seconds
+from shardplan.cost.step import jitter_waits
 from shardplan.cost.configs import operand_layouts
 from shardplan.ir.graph import Graph
 from shardplan.plan import Plan
@@ -164,7 +165,7 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
             static += nbytes[choice[i]]
     tg.static_bytes[dev] = static
 
-    # jitter waits (``cost.analytic.jitter_waits``, the walk the prediction uses): at every sync point,
+    # jitter waits (``cost.step.jitter_waits``, the walk the prediction uses): at every sync point,
     # sync_jitter x sqrt(the compute since the previous one), in place of the per-op stretch; a task
     # on the comm stream before the collective it delays
     jitter = cluster.device.sync_jitter if devices > 1 else 0.0

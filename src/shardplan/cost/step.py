@@ -1,0 +1,157 @@
+"""The predicted step of a whole SPMD plan: waits at its sync points, on top of the per-op cost tables.
+
+The cost tables (``cost.analytic``) price each op and edge on its own, so that the exact search's
+objective adds up over ops. What ranks wait for their slowest peer depends on how much compute lies
+between two sync points of the whole plan: ``jitter_waits`` walks one training step in program order,
+``sync_waits`` and ``step_seconds`` price a plan with it, and ``StepObjective`` prices thousands of
+plans for a local search (``search.polish``). Formulas in ``docs/cost_model.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from shardplan.cost.analytic import PER_ITERATION, AnalyticCostModel
+
+
+def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bool,
+                 after_backward: float) -> dict[tuple[str, int], float]:
+    """Seconds waited at each sync point of one training step, in program order (see ``sync_waits``):
+    ``{("before fwd", i): s, ("after fwd", i): s, ("after bwd", i): s, ("inputs bwd", i): s,
+    ("reduce", -1): s, ("end", -1): s}``, each ``jitter x sqrt(compute since the previous sync
+    point)``. Per op ``i``: ``fwd[i]`` and ``bwd[i]`` its compute in each pass (seconds, no stretch),
+    ``fwd_sync[i]`` / ``bwd_sync[i]`` whether a critical collective ends that pass, ``moved[i]``
+    whether a redistribution feeds it; ``reduces``: a bucketed weight-gradient reduction follows the
+    backward pass; ``after_backward``: the bucket copies and updates before the step's end. The cost
+    model and the event simulator both place their waits by this one walk."""
+    waits: dict[tuple[str, int], float] = {}
+    since = 0.0
+
+    def sync(key: tuple[str, int]) -> None:
+        nonlocal since
+        waits[key] = jitter * math.sqrt(since)
+        since = 0.0
+
+    for i in range(len(fwd)):
+        if moved[i]:
+            sync(("before fwd", i))
+        since += fwd[i]
+        if fwd_sync[i]:
+            sync(("after fwd", i))
+    for i in range(len(fwd) - 1, -1, -1):
+        since += bwd[i]
+        if bwd_sync[i]:
+            sync(("after bwd", i))
+        if moved[i]:
+            sync(("inputs bwd", i))
+    if reduces:
+        sync(("reduce", -1))
+    since += after_backward
+    sync(("end", -1))
+    return waits
+
+
+def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
+    """(jitter waits, per-op sync stretch) of one SPMD plan, in seconds per step.
+
+    The cost tables price waiting at sync points per op (``sync_wait``: ``sync_stretch`` x the
+    compute of an op whose pass ends in a critical collective), so that the search's objective adds
+    up over ops. What the ranks actually wait depends on how much compute lies between two sync
+    points, which is a property of the whole plan: after ``T`` seconds of compute since the last
+    sync point the slowest rank trails by about ``sync_jitter x sqrt(T)`` (``Device.sync_jitter``).
+    The walk (``jitter_waits``) follows one step in program order, as ``shardplan run`` takes it:
+
+    * forward, op by op: a redistribution into the op (an edge with a cost) is a sync point before
+      its compute; a critical collective of its forward (a partial-sum all-reduce, a statistics
+      all-reduce, a halo, the loss gather) is one after it;
+    * backward, ops in reverse: the critical collectives of its backward (the input-gradient
+      all-reduce) after its compute, then the backward of its incoming redistributions;
+    * the bucketed weight-gradient reduction after the backward pass, when the plan has one;
+    * the bucket copies and the optimizer update, then the end of the step, timed on the slowest
+      rank: the last sync point.
+
+    The first figure is the waits' sum (0 on one device); the second is what the tables charged
+    instead, the plan's ``sync_wait`` items. ``step_seconds`` swaps one for the other."""
+    picked = [np.array([c]) for c in choice]
+    return StepObjective(model, tables, picked).sync_waits([0] * len(choice), _moved(tables, choice))
+
+
+def _moved(tables, choice) -> list[bool]:
+    """Per op: whether a redistribution (an edge with a cost) feeds it under ``choice``."""
+    moved = [False] * len(tables.graph.ops)
+    for e in tables.edges:
+        moved[e.dst] = moved[e.dst] or float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]]) > 0
+    return moved
+
+
+class StepObjective:
+    """``step_seconds`` of any assignment of a graph's ops, the parts each (op, configuration) adds to
+    the jitter walk computed once, so a local search (``search.polish``) can price thousands of
+    plans. ``rows[i]``: which configurations of op ``i`` to prepare (all by default); assignments
+    then index into ``rows``."""
+
+    def __init__(self, model: AnalyticCostModel, tables, rows=None):
+        graph = tables.graph
+        self.tables = tables
+        self.jitter = model.cluster.device.sync_jitter if tables.devices > 1 else 0.0
+        rows = rows if rows is not None else [np.arange(len(c)) for c in tables.configs]
+        self.rows = rows
+        parts = {k: [] for k in ("fwd", "bwd", "fwd_sync", "bwd_sync", "stretch", "reduces", "after")}
+        for i, op in enumerate(graph.ops):
+            items = model.node_cost_items(graph, op, tables.configs[i][rows[i]])
+            n = len(rows[i])
+
+            def total(its, part="seconds"):
+                return sum((np.broadcast_to(np.asarray(getattr(it, part), dtype=np.float64), (n,)) for it in its),
+                           np.zeros(n))
+
+            work = [it for it in items if it.stream == "compute" and it.name != "sync_wait"
+                    and it.name not in PER_ITERATION]
+            crit = [it for it in items if it.stream == "comm" and it.critical]
+            parts["fwd"].append(total(work, "fwd"))
+            parts["bwd"].append(total(work, "bwd"))
+            parts["fwd_sync"].append(total(crit, "fwd") > 0)
+            parts["bwd_sync"].append(total(crit, "bwd") > 0)
+            parts["stretch"].append(total([it for it in items if it.name == "sync_wait"]))
+            parts["reduces"].append(total([it for it in items if it.name == "weight_grad_allreduce"]) > 0)
+            parts["after"].append(total([it for it in items if it.name in PER_ITERATION]))
+        self.parts = parts
+
+    def sync_waits(self, choice, moved) -> tuple[float, float]:
+        """(jitter waits, per-op sync stretch) of ``choice`` (indices into ``rows``), as
+        :func:`sync_waits` defines them; ``moved``: per op, whether a redistribution feeds it."""
+        p = self.parts
+        stretch = float(sum(p["stretch"][i][c] for i, c in enumerate(choice)))
+        if not self.jitter:
+            return 0.0, stretch
+        waits = jitter_waits(
+            self.jitter,
+            fwd=[float(p["fwd"][i][c]) for i, c in enumerate(choice)],
+            bwd=[float(p["bwd"][i][c]) for i, c in enumerate(choice)],
+            fwd_sync=[bool(p["fwd_sync"][i][c]) for i, c in enumerate(choice)],
+            bwd_sync=[bool(p["bwd_sync"][i][c]) for i, c in enumerate(choice)],
+            moved=moved,
+            reduces=any(bool(p["reduces"][i][c]) for i, c in enumerate(choice)),
+            after_backward=float(sum(p["after"][i][c] for i, c in enumerate(choice))))
+        return sum(waits.values()), stretch
+
+    def __call__(self, choice) -> float:
+        """Predicted seconds of one step of ``choice`` (configuration indices of the tables; ``rows``
+        must be all configurations): ``step_seconds``."""
+        if not self.jitter:
+            return self.tables.cost_of(choice)
+        waits, stretch = self.sync_waits(choice, _moved(self.tables, choice))
+        return self.tables.cost_of(choice) - stretch + waits
+
+
+def step_seconds(model, tables, choice) -> float:
+    """Predicted seconds of one training step of an SPMD plan: the tables' cost (``cost_of``, the
+    search's objective) with the per-op sync stretch replaced by the plan's jitter waits
+    (:func:`sync_waits`) when the device has a ``sync_jitter``; ``cost_of`` for any other model."""
+    cost = tables.cost_of(choice)
+    if not isinstance(model, AnalyticCostModel) or not model.cluster.device.sync_jitter:
+        return cost
+    waits, stretch = sync_waits(model, tables, choice)
+    return cost - stretch + waits
