@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import _set_thread_isolation_mode
@@ -71,8 +72,9 @@ def run_threaded(world_size: int, fn, timeout: float = 300.0):
 
         for rank, q in enumerate(_rank_queues(world_size)):
             q.put(lambda rank=rank: worker(rank))
+        deadline = time.monotonic() + timeout
         for rank, event in enumerate(done):
-            if not event.wait(timeout):
+            if not event.wait(max(deadline - time.monotonic(), 0.0)):
                 # stop the ranks waiting in a collective; threads still busy after that are given up,
                 # and the next run of this world size gets fresh ones
                 ProcessLocalGroup.exception_handle(TimeoutError())
