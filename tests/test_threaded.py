@@ -82,3 +82,26 @@ def test_a_run_past_its_timeout_is_stopped_and_the_next_run_works():
     with pytest.raises(TimeoutError, match="rank 0 of 2 did not finish within 1 s"):
         run_threaded(2, fn, timeout=1.0)
     assert run_threaded(2, lambda rank: rank) == [0, 1]
+
+
+def test_a_rank_still_running_after_a_timeout_stops_before_the_next_run(monkeypatch):
+    """Rank 1 sleeps through the timeout and the grace after it, then reaches a collective: it must
+    leave there (the run was stopped), and the next run waits for it instead of letting it join the
+    next run's collectives."""
+    import time
+
+    import shardplan.execute.threaded as threaded
+
+    monkeypatch.setattr(threaded, "_GRACE_SECONDS", 0.1)
+
+    def fn(rank):
+        if rank == 1:
+            time.sleep(1.5)
+        dist.barrier()
+        return rank
+
+    with pytest.raises(TimeoutError):
+        run_threaded(2, fn, timeout=0.5)
+    assert len(threaded._STRAGGLERS) == 1
+    assert run_threaded(2, lambda rank: rank) == [0, 1]
+    assert threaded._STRAGGLERS == []

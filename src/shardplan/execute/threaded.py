@@ -24,6 +24,8 @@ from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGr
 
 _POOLS: dict[int, list[queue.Queue]] = {}
 _POOL_LOCK = threading.Lock()
+_STRAGGLERS: list[threading.Event] = []  # the unfinished ranks of runs that timed out
+_GRACE_SECONDS = 10.0  # how long a timed-out run's ranks get to stop before their threads are given up
 
 
 def _serve(tasks: queue.Queue) -> None:
@@ -45,6 +47,13 @@ def _rank_queues(world_size: int) -> list[queue.Queue]:
 
 def run_threaded(world_size: int, fn, timeout: float = 300.0):
     """``[fn(rank) for rank in ranks]`` with a ``threaded`` process group of ``world_size`` around each."""
+    # ranks of a timed-out run still computing would join this run's collectives once the
+    # termination flag is cleared: wait for them to stop, or refuse
+    for event in _STRAGGLERS:
+        if not event.wait(timeout):
+            raise RuntimeError(f"a rank thread of an earlier run is still running after {timeout:.0f} s more; "
+                               "start a new process for further threaded runs")
+    _STRAGGLERS.clear()
     _set_thread_isolation_mode(True)
     ProcessLocalGroup.reset()  # a failed earlier run leaves its termination flag set
     try:
@@ -75,12 +84,13 @@ def run_threaded(world_size: int, fn, timeout: float = 300.0):
         deadline = time.monotonic() + timeout
         for rank, event in enumerate(done):
             if not event.wait(max(deadline - time.monotonic(), 0.0)):
-                # stop the ranks waiting in a collective; threads still busy after that are given up,
-                # and the next run of this world size gets fresh ones
+                # stop the ranks waiting in a collective; threads still busy after that are given up
+                # (the next run of this world size gets fresh ones, once they have stopped)
                 ProcessLocalGroup.exception_handle(TimeoutError())
-                if not all(e.wait(10.0) for e in done):
+                if not all(e.wait(_GRACE_SECONDS) for e in done):
                     with _POOL_LOCK:
                         _POOLS.pop(world_size, None)
+                    _STRAGGLERS.extend(e for e in done if not e.is_set())
                 raise TimeoutError(f"rank {rank} of {world_size} did not finish within {timeout:.0f} s")
         if errors:
             # a rank that fails sets the group's termination flag, and the ranks waiting in a collective
