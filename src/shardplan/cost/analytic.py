@@ -17,8 +17,10 @@ op under a configuration ``c`` (split factor per iteration dim) on ``P = prod(c)
   each a hierarchical alpha-beta all-reduce (``cluster.collective_seconds``) of the operand's tile.
   Plus halo exchange for split spatial dims of conv and pool, statistics all-reduces for a split
   normalised or softmax axis, and per-time-step collectives for a split LSTM hidden dim.
-* edges: redistribution between producer and consumer layouts, forward and backward: the bytes a
-  consumer device lacks (PaSE's tile rule) over the lowest network level spanning both ops.
+* edges: redistribution between producer and consumer layouts over the lowest network level
+  spanning both ops: forward, the bytes a consumer device lacks (PaSE's tile rule); backward, the
+  bytes of the gradient a producer device lacks; plus the device's ``redistribute_overhead`` per
+  direction that changes the layout.
 * memory per device (bytes): parameter tiles x (weight + gradient + optimizer states) plus the
   activation tiles an op keeps for the backward pass (its output and any graph input it reads).
 * per plan, not per op (``cost.step``: ``sync_waits``, ``step_seconds``): ranks wait for their
@@ -51,7 +53,7 @@ KNOWN = CONTRACTIONS | FREE | {"embedding", "pool", "norm", "softmax", "softmax_
                                "elementwise"}
 GRAD_BUCKET_BYTES = 25.0 * 1024 * 1024
 """Bytes per weight-gradient all-reduce bucket: DDP's default (``bucket_cap_mb=25``), and what
-``execute.apply.reduce_gradients`` packs."""
+``execute.gradients.reduce_gradients`` packs."""
 PER_ITERATION = frozenset({"optimizer_update", "grad_bucket_pack"})
 """Cost items paid once per training iteration, after the last backward pass: a pipeline pays them once,
 not once per microbatch."""
