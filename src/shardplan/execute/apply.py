@@ -10,8 +10,10 @@ For a mesh of the plan's shape (``Plan.mesh_view``: every op's split dims get me
   partial sums are reduced where the plan reduces them and activations move only where consecutive
   ops disagree;
 * the **model inputs** are sharded as the first op that reads them wants; everything between heavy
-  modules (norms, attention matmuls, residual adds) follows DTensor's own sharding propagation, and
-  plain tensors made inside the model (masks, positions) count as replicated;
+  modules (norms, softmax, residual adds) follows DTensor's own sharding propagation, and plain
+  tensors made inside the model (masks, positions) count as replicated; attention's batched matmuls
+  run as one product of each rank's blocks (``execute.matmul``), since DTensor's own rule views the
+  split batch and heads as one strided dim, which on three mesh axes takes it minutes to plan;
 * a linear or convolution whose split DTensor's own rules refuse on a mesh of two or more axes (a
   sequence split over both axes of a 2x2 mesh, a convolution's batch split four ways) runs as a
   plain product on each rank's blocks, its output and gradients declared as the DTensors that split
@@ -40,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from shardplan.cluster.mesh import MeshError, OpMesh
 from shardplan.cost.analytic import GRAD_BUCKET_BYTES
 from shardplan.execute.gradients import reduce_gradients
+from shardplan.execute.matmul import LocalBatchedMatmul
 from shardplan.cost.configs import split_limits
 from shardplan.ir.graph import Graph, Op, Operand
 from shardplan.plan import Plan, PlanError
@@ -213,7 +216,7 @@ class ParallelModule(nn.Module):
     def forward(self, *args, **kwargs):
         token = _MOVED.set({})
         try:
-            with implicit_replication():
+            with implicit_replication(), LocalBatchedMatmul():
                 kwargs = {k: self._input(k, v) for k, v in kwargs.items()}
                 args = tuple(self._input(f"arg{i}", v) for i, v in enumerate(args))
                 return self.module(*args, **kwargs)
@@ -549,6 +552,13 @@ def _linear_input(op: Op, om: OpMesh, mesh_shape: tuple[int, ...]) -> tuple[tupl
     return sizes, placements(Operand("input", tuple((n,) for n in names)), om, mesh_shape)
 
 
+def _same_rows(shape: tuple, other: tuple) -> bool:
+    """``shape`` and ``other`` differ only in how their leading dims are merged: ``(b, l, f)`` and
+    ``(b x l, f)``."""
+    return (len(shape) > 0 and len(other) > 0 and shape[-1] == other[-1]
+            and math.prod(shape[:-1]) == math.prod(other[:-1]))
+
+
 def _pre_hook(mesh, in_shape, target, linear_in=None):
     def hook(mod, args):
         if not args or not isinstance(args[0], torch.Tensor) or target is None:
@@ -557,6 +567,11 @@ def _pre_hook(mesh, in_shape, target, linear_in=None):
         pl = target
         if linear_in is not None and tuple(x.shape) == linear_in[0]:
             pl = linear_in[1]  # the layer's own input, named by the op's dims
+        elif linear_in is not None and _same_rows(tuple(x.shape), linear_in[0]):
+            # the same, its leading dims merged or split (GPT-2's Conv1D is captured on the (b*l, in)
+            # view of a (b, l, in) input): carried over by the flattened order, not read off the
+            # producer's tensor, whose dims the reshape may have reached through a transpose
+            pl = _view_placements(linear_in[0], tuple(x.shape), list(linear_in[1]), tuple(mesh.shape))
         elif tuple(x.shape) != tuple(in_shape or ()) and (in_shape is None or x.ndim != len(in_shape)):
             # a reshaped view of the planned tensor (a flatten, say)
             pl = _view_placements(tuple(in_shape or ()), tuple(x.shape), list(target), tuple(mesh.shape))
@@ -570,8 +585,13 @@ def _pre_hook(mesh, in_shape, target, linear_in=None):
 def _post_hook(mesh, out_shape, target):
     def hook(mod, args, out):
         if isinstance(out, DTensor):
-            if tuple(out.shape) == tuple(out_shape):
-                out = out.redistribute(mesh, target) if tuple(out.placements) != tuple(target) else out
+            shape, want = tuple(out_shape), tuple(target)
+            if tuple(out.shape) != shape and _same_rows(tuple(out.shape), shape):
+                # the planned output viewed with its leading dims split or merged (GPT-2's Conv1D)
+                want = tuple(_view_placements(shape, tuple(out.shape), list(want), tuple(mesh.shape)))
+                shape = tuple(out.shape)
+            if tuple(out.shape) == shape:
+                out = out.redistribute(mesh, want) if tuple(out.placements) != want else out
             elif any(p.is_partial() for p in out.placements):  # reduce partial sums at the op, as planned
                 out = out.redistribute(mesh, [Replicate() if p.is_partial() else p for p in out.placements])
             if mesh.ndim > 1 and out.requires_grad:
