@@ -168,11 +168,12 @@ def test_redistribution_edge():
 
 def test_redistribution_edge_moves_each_way_what_that_way_lacks():
     """A batch-split producer feeding a linear split over its output features, which reads its input
-    whole: forward, each of the 4 devices lacks 3/4 of the input; backward, the gradient's whole tile
-    counts as held on one device (PaSE's rule for an unsplit tile), so each producer device lacks
-    its 1/4 quarter. The reverse edge (a whole output from a summed-dim split, read batch-split)
-    moves 1/4 forward and 3/4 backward: the same price. With a redistribution overhead h each
-    direction that changes the layout adds h; equal layouts cost nothing."""
+    whole: forward, each of the 4 devices lacks 3/4 of the input; backward, the gradient comes back
+    whole on every device (the linear's own all-reduce made it so), and each producer device cuts its
+    quarter out of it: no byte moves (PaSE's rule, which counts an unsplit tile as held on one
+    device, charged 1/4 here). The reverse edge (a whole output from a summed-dim split, read
+    batch-split) moves nothing forward and 3/4 backward: the same price. With a redistribution
+    overhead h each direction that changes the layout adds h; equal layouts cost nothing."""
     import dataclasses
 
     b = GraphBuilder("two")
@@ -189,11 +190,11 @@ def test_redistribution_edge_moves_each_way_what_that_way_lacks():
         batch_split = tables.index_of(0, (4, 1, 1))
         whole_input = tables.index_of(1, (1, 4, 1))  # b's out_features split 4 ways
         assert e.cost[e.src_class[batch_split], e.dst_class[whole_input]] == pytest.approx(
-            (ALPHA0 + 0.75 * full / BETA0) + (ALPHA0 + 0.25 * full / BETA0) + extra, rel=1e-12)
+            ALPHA0 + 0.75 * full / BETA0 + extra, rel=1e-12)
         whole_output = tables.index_of(0, (1, 1, 4))  # a's sum split 4 ways: y whole (summed) everywhere
         b_batch = tables.index_of(1, (4, 1, 1))
         assert e.cost[e.src_class[whole_output], e.dst_class[b_batch]] == pytest.approx(
-            (ALPHA0 + 0.25 * full / BETA0) + (ALPHA0 + 0.75 * full / BETA0) + extra, rel=1e-12)
+            ALPHA0 + 0.75 * full / BETA0 + extra, rel=1e-12)
         assert e.cost[e.src_class[batch_split], e.dst_class[b_batch]] == 0.0
 
     from shardplan.cluster.model import ClusterError

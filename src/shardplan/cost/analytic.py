@@ -471,11 +471,15 @@ class AnalyticCostModel:
                    dst_layouts: np.ndarray) -> np.ndarray:
         """Seconds to move a tensor between every pair of layouts and its gradient back: forward, what
         a consumer device lacks of its tile; backward, what a producer device lacks of the gradient's
-        tile (both by PaSE's rule, ``redistribution_words``); each move that carries bytes pays the
-        level's latency, and each direction that changes the layout the device's
-        ``redistribute_overhead`` (docs/cost_model.md, *Redistribution on edges*)."""
+        tile (both by PaSE's rule, ``redistribution_words``), except that a whole tensor is held by
+        every device (the runtime replicates an unsplit op), so cutting a split out of it moves no
+        byte; each move that carries bytes pays the level's latency, and each direction that
+        changes the layout the device's ``redistribute_overhead`` (docs/cost_model.md,
+        *Redistribution on edges*)."""
         fwd = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
         bwd = redistribution_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes
+        fwd = np.where((src_layouts == 1).all(axis=1)[:, None], 0.0, fwd)  # whole -> split: a local cut
+        bwd = np.where((dst_layouts == 1).all(axis=1)[None, :], 0.0, bwd)  # the gradient comes back whole
         span = np.maximum(np.prod(src_layouts, axis=1)[:, None], np.prod(dst_layouts, axis=1)[None, :])
         level = self.cluster.level_of_span(span)
         bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]
