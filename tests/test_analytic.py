@@ -166,6 +166,45 @@ def test_redistribution_edge():
     assert e.cost[e.src_class[src], e.dst_class[same]] == 0.0
 
 
+def test_a_runtime_without_all_to_all_gathers_the_split_dim_it_leaves():
+    """On a CPU mesh DTensor moves batch-split -> feature-split (4 ways) by gathering the batch and
+    cutting the features: each device receives the 3 tiles it lacks of the whole tensor, both ways,
+    where an all-to-all receives 3/4 of one tile. A gather to the whole tensor and a finer split of
+    the same dim are priced as before; the flag round-trips through a cluster file and must be a
+    boolean there."""
+    import dataclasses
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+    from shardplan.cost.analytic import gathered_words
+
+    b = GraphBuilder("two")
+    x = b.input("x", (64, 256), ("batch", "features"))
+    y = b.linear(x, 256, name="a")
+    b.layer_norm(y, name="n")
+    g = b.build()
+    base = cluster()
+    gloo = dataclasses.replace(base, device=dataclasses.replace(base.device, all_to_all_by_gather=True))
+    tile = 4 * 64 * 256 / 4
+    for cl, lacking in ((base, 0.75 * tile), (gloo, 3 * tile)):
+        tables = build_tables(g, AnalyticCostModel(cl), 4)
+        e = tables.edges[0]
+        src, dst = tables.index_of(0, (4, 1, 1)), tables.index_of(1, (1, 4))
+        assert e.cost[e.src_class[src], e.dst_class[dst]] == pytest.approx(2 * (ALPHA0 + lacking / BETA0), rel=1e-12)
+    shape = (64, 256)
+    assert gathered_words(shape, np.array([[4, 1]]), np.array([[1, 4]]))[0, 0] == 64 * 256 * 3 / 4
+    assert gathered_words(shape, np.array([[2, 2]]), np.array([[1, 4]]))[0, 0] == 64 * 256 / 2 - 64 * 256 / 4
+    for src, dst in (([4, 1], [1, 1]), ([1, 1], [4, 1]), ([2, 1], [4, 1]), ([2, 2], [2, 2])):
+        assert gathered_words(shape, np.array([src]), np.array([dst]))[0, 0] == 0.0
+
+    assert cluster_from_dict(cluster_to_dict(gloo)).device.all_to_all_by_gather is True
+    assert "all_to_all_by_gather" not in cluster_to_dict(base)["device"]
+    raw = cluster_to_dict(gloo)
+    raw["device"]["all_to_all_by_gather"] = "yes"
+    with pytest.raises(ClusterError, match="all_to_all_by_gather"):
+        cluster_from_dict(raw)
+
+
 def test_redistribution_edge_moves_each_way_what_that_way_lacks():
     """A batch-split producer feeding a linear split over its output features, which reads its input
     whole: forward, each of the 4 devices lacks 3/4 of the input; backward, the gradient comes back

@@ -60,6 +60,12 @@ class Device:
     plans the transform, cuts or wraps the local tensor and records an autograd node even when no
     byte leaves the device (Replicate -> Shard is a local chunk). 0 for the datasheet presets;
     measured by ``shardplan calibrate`` (70-80 us per call on torch 2.13 here, quiet)."""
+    all_to_all_by_gather: bool = False
+    """The runtime moves a tensor from one split dim to another (an all-to-all) by gathering the split
+    dims it leaves and cutting the new one locally: DTensor on CPU process groups (torch 2.13 logs
+    "falling back with allgather + chunk"), which receives ``q - 1`` tiles per device where an
+    all-to-all receives ``(q - 1) / q`` of one. False (NCCL's all-to-all) for the datasheet presets;
+    ``shardplan calibrate`` sets it for a CPU mesh."""
     pool_bandwidth: float | None = None
     """Bytes of input per second a pooling kernel gets through, forward and backward together; None =
     priced as any memory-bound op (``memory_bandwidth``). Measured by ``shardplan calibrate``: on one

@@ -79,7 +79,7 @@ _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memo
                   "efficiency": float, "op_overhead": float, "conv_efficiency": float, "gemm_efficiency": list,
                   "conv_reduction_efficiency": list, "conv_rows_efficiency": list,
                   "split_op_overhead": float, "sync_stretch": float, "sync_jitter": float,
-                  "pool_bandwidth": float, "redistribute_overhead": float}
+                  "pool_bandwidth": float, "redistribute_overhead": float, "all_to_all_by_gather": bool}
 _LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float}
 
 
@@ -97,6 +97,11 @@ def _fields(where: str, raw: Any, spec: dict[str, type], required: tuple[str, ..
         kind = spec[key]
         if kind is str:
             out[key] = str(value)
+            continue
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ClusterError(f"{where}.{key} must be true or false, got {value!r}")
+            out[key] = value
             continue
         if kind in (dict, list):
             if not isinstance(value, kind):
@@ -182,6 +187,7 @@ def cluster_to_dict(cluster: Cluster) -> dict:
                        **({"sync_stretch": d.sync_stretch} if d.sync_stretch else {}),
                        **({"sync_jitter": d.sync_jitter} if d.sync_jitter else {}),
                        **({"pool_bandwidth": d.pool_bandwidth} if d.pool_bandwidth is not None else {}),
-                       **({"redistribute_overhead": d.redistribute_overhead} if d.redistribute_overhead else {})},
+                       **({"redistribute_overhead": d.redistribute_overhead} if d.redistribute_overhead else {}),
+                       **({"all_to_all_by_gather": True} if d.all_to_all_by_gather else {})},
             "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency}
                        for lv in cluster.levels]}

@@ -105,6 +105,20 @@ class MemoryItem:
     tile_bytes: np.ndarray
 
 
+def gathered_words(shape: tuple[int, ...], src_layouts: np.ndarray, dst_layouts: np.ndarray) -> np.ndarray:
+    """Elements a device receives, (L_src, L_dst), when a move that changes the split dim (a dim split
+    in the source and whole in the destination, and another split finer: an all-to-all) is done as a
+    gather of the dims the source splits and the destination does not, then a local cut:
+    the gathered tile less the source tile it held; 0 for every other pair of layouts."""
+    t = np.array(shape, dtype=np.float64)
+    src, dst = src_layouts[:, None, :], dst_layouts[None, :, :]
+    left = (src > 1) & (dst == 1)  # split dims the move leaves
+    new = dst > src  # dims the destination splits finer
+    gathered = np.prod(t) / np.prod(np.where(left, 1, src), axis=2)
+    held = np.prod(t) / np.prod(src, axis=2)
+    return np.where(left.any(axis=2) & new.any(axis=2), gathered - held, 0.0)
+
+
 @dataclass(frozen=True)
 class AnalyticCostModel:
     cluster: Cluster
@@ -473,13 +487,17 @@ class AnalyticCostModel:
         a consumer device lacks of its tile; backward, what a producer device lacks of the gradient's
         tile (both by PaSE's rule, ``redistribution_words``), except that a whole tensor is held by
         every device (the runtime replicates an unsplit op), so cutting a split out of it moves no
-        byte; each move that carries bytes pays the level's latency, and each direction that
+        byte, and that a runtime without an all-to-all (``Device.all_to_all_by_gather``) gathers
+        what a change of split dim leaves (``gathered_words``); each move that carries bytes pays the level's latency, and each direction that
         changes the layout the device's ``redistribute_overhead`` (docs/cost_model.md,
         *Redistribution on edges*)."""
         fwd = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
         bwd = redistribution_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes
         fwd = np.where((src_layouts == 1).all(axis=1)[:, None], 0.0, fwd)  # whole -> split: a local cut
         bwd = np.where((dst_layouts == 1).all(axis=1)[None, :], 0.0, bwd)  # the gradient comes back whole
+        if self.cluster.device.all_to_all_by_gather:
+            fwd = np.maximum(fwd, gathered_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes)
+            bwd = np.maximum(bwd, gathered_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes)
         span = np.maximum(np.prod(src_layouts, axis=1)[:, None], np.prod(dst_layouts, axis=1)[None, :])
         level = self.cluster.level_of_span(span)
         bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]

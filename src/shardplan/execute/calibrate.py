@@ -502,6 +502,8 @@ def measure(reps: int = 10, n: int = 512) -> dict:
             "sync_stretch": stretch,
             "sync_jitter": jitter, "sync_jitter_points": jitter_points,
             "redistribute_overhead": redistribute,
+            # the probes run on a CPU mesh, where DTensor does an all-to-all as a gather and a cut
+            "all_to_all_by_gather": True,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
             "seconds": {"mm": t_mm, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
                         "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
@@ -518,6 +520,7 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
                        "gemm_efficiency": m["gemm_efficiency"], "pool_bandwidth": m["pool_bandwidth"],
                        "sync_stretch": m.get("sync_stretch", 0.0), "sync_jitter": m.get("sync_jitter", 0.0),
                        "redistribute_overhead": m.get("redistribute_overhead", 0.0),
+                       "all_to_all_by_gather": bool(m.get("all_to_all_by_gather", False)),
                        **({"split_op_overhead": m["op_overhead"] * m["sharded_dispatch_ratio"]}
                           if m.get("sharded_dispatch_ratio", 0.0) > 0 else {})},
             "levels": [{"name": "process group", "fanout": m["world_size"],
