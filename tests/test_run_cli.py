@@ -208,3 +208,28 @@ def test_ranks_keep_freed_memory_instead_of_faulting_it_in_every_step():
     plain = faults({**os.environ, "GLIBC_TUNABLES": ""})
     kept = faults(worker_env({k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}))
     assert plain > 1000 and kept < plain / 100, (plain, kept)
+
+
+def test_the_check_sees_a_wrong_gradient_a_wrong_loss_and_a_missing_one():
+    """``--check``'s measure (``execute.worker.rel_diff``): 0 for the reference's own gradients (and
+    for differences under 1e-6 of the largest), the relative error of one entry changed by 1%, of a
+    loss off by 1e-3, and infinity for a gradient the run did not produce."""
+    import torch
+
+    from shardplan.execute.worker import rel_diff
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    ref(torch.randn(5, 4)).pow(2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    assert rel_diff(grads, ref, 2.0, 2.0) == 0.0
+    scale = float(ref.weight.grad.abs().max())
+    tiny = dict(grads, weight=grads["weight"] + 1e-7 * scale)
+    assert rel_diff(tiny, ref, 2.0, 2.0) == 0.0
+    wrong = dict(grads, weight=grads["weight"].clone())
+    i = int(ref.weight.grad.abs().argmax())
+    wrong["weight"].view(-1)[i] *= 1.01
+    assert rel_diff(wrong, ref, 2.0, 2.0) == pytest.approx(0.01 - 1e-6, rel=1e-3)
+    assert rel_diff(grads, ref, 2.002, 2.0) == pytest.approx(1e-3)
+    assert rel_diff({"weight": grads["weight"]}, ref, 2.0, 2.0) == float("inf")
+    assert rel_diff({"weight": grads["weight"]}, ref, 2.0, 2.0, every=False) == 0.0
