@@ -126,8 +126,8 @@ def _split(tables, graph, name, **ways):
 ])
 def test_products_dtensor_cannot_run_on_a_2x2_mesh_are_computed_per_rank(models, name, op, ways):
     """Layouts of a linear or a convolution that DTensor's own rules refuse on a 2x2 mesh run as plain
-    per-rank products (``apply._compute_locally``) and still equal single device."""
-    from shardplan.execute.apply import _local_roles
+    per-rank products (``execute.local.compute_locally``) and still equal single device."""
+    from shardplan.execute.local import local_roles
 
     module, kwargs, graph, loss, ref = models[name]
     tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=4)), 4)
@@ -135,7 +135,7 @@ def test_products_dtensor_cannot_run_on_a_2x2_mesh_are_computed_per_rank(models,
     i, c = _split(tables, graph, op, **ways)
     choice[i] = c
     plan = Plan.from_choice(tables, choice)
-    assert _local_roles(graph.ops[i], plan.mesh_view(graph, (2, 2))[1][i], (2, 2)) is not None
+    assert local_roles(graph.ops[i], plan.mesh_view(graph, (2, 2))[1][i], (2, 2)) is not None
     assert_matches(run_plan(module, kwargs, graph, plan, 4, mesh_shape=(2, 2)), loss, ref)
 
 

@@ -488,9 +488,9 @@ class AnalyticCostModel:
         tile (both by PaSE's rule, ``redistribution_words``), except that a whole tensor is held by
         every device (the runtime replicates an unsplit op), so cutting a split out of it moves no
         byte, and that a runtime without an all-to-all (``Device.all_to_all_by_gather``) gathers
-        what a change of split dim leaves (``gathered_words``); each move that carries bytes pays the level's latency, and each direction that
-        changes the layout the device's ``redistribute_overhead`` (docs/cost_model.md,
-        *Redistribution on edges*)."""
+        what a change of split dim leaves (``gathered_words``); each move that carries bytes pays
+        the level's latency, and each direction that changes the layout the device's
+        ``redistribute_overhead`` (docs/cost_model.md, *Redistribution on edges*)."""
         fwd = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
         bwd = redistribution_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes
         fwd = np.where((src_layouts == 1).all(axis=1)[:, None], 0.0, fwd)  # whole -> split: a local cut

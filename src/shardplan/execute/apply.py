@@ -17,7 +17,7 @@ For a mesh of the plan's shape (``Plan.mesh_view``: every op's split dims get me
 * a linear or convolution whose split DTensor's own rules refuse on a mesh of two or more axes (a
   sequence split over both axes of a 2x2 mesh, a convolution's batch split four ways) runs as a
   plain product on each rank's blocks, its output and gradients declared as the DTensors that split
-  makes (``_local_roles``, ``_compute_locally``), so any plan the search can return runs;
+  makes (``execute.local``), so any plan the search can return runs;
 * **gradients** come out of DTensor's autograd as the parameters' placements: replicated weights get
   their all-reduce, sharded ones stay sharded; the gradient of a heavy module's input is brought back
   to the input's placements at the module (a partial gradient is all-reduced there, where the plan
@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from shardplan.cluster.mesh import MeshError, OpMesh
 from shardplan.cost.analytic import GRAD_BUCKET_BYTES
 from shardplan.execute.gradients import reduce_gradients
+from shardplan.execute.local import compute_locally, local_roles, run_locally
 from shardplan.execute.matmul import LocalBatchedMatmul
 from shardplan.cost.configs import split_limits
 from shardplan.ir.graph import Graph, Op, Operand
@@ -104,7 +105,7 @@ def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[O
     except (MeshError, PlanError) as exc:
         raise ApplyError(str(exc)) from None
     for op, om in zip(graph.ops, opmeshes):
-        if op.kind != "conv" or _local_roles(op, om, mesh_shape) is not None:
+        if op.kind != "conv" or local_roles(op, om, mesh_shape) is not None:
             continue
         for operand in op.inputs + op.outputs:
             dims = [p.dim for p in placements(operand, om, mesh_shape) if isinstance(p, Shard)]
@@ -261,7 +262,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             in_pl = placements(acts[0], om, shape) if acts else None
             out_pl = placements(op.outputs[0], om, shape)
             hooks[op.module] = (src.shape if src else None, in_pl, out_pl, graph.tensor(op.outputs[0].tensor).shape,
-                                _linear_input(op, om, shape), _local_roles(op, om, shape))
+                                _linear_input(op, om, shape), local_roles(op, om, shape))
     params = dict(module.named_parameters())
     missing = [n for n in placed if n not in params]
     if missing:
@@ -279,13 +280,13 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             continue  # runs inside a local block, on plain tensors
         sub = module.get_submodule(fqn)
         if isinstance(sub, nn.LSTM):
-            _run_locally(sub, mesh, in_pl, 0 if sub.batch_first else 1)
+            run_locally(sub, mesh, in_pl, 0 if sub.batch_first else 1)
             continue
         if type(sub).__name__ not in _HOOKED:
             continue
         sub.register_forward_pre_hook(_pre_hook(mesh, in_shape, in_pl, linear_in))
         if roles is not None:
-            _compute_locally(sub, mesh, roles)
+            compute_locally(sub, mesh, roles)
         if type(sub).__name__ == "Conv2d":
             # DTensor's pooling rules lose the global shape of channel-sharded maps (torch 2.13):
             # conv outputs keep only their batch split; the next conv re-shards (locally, no traffic)
@@ -302,7 +303,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             owner, _, attr = next(o.tensor for o in op.inputs if o.axes and o.axes[0] == ("experts",)).rpartition(".")
             experts = module.get_submodule(owner)
             _split_experts(experts, owner, getattr(experts, attr))
-        _run_locally(module.get_submodule(block), mesh, pl, 0, ep_axes)
+        run_locally(module.get_submodule(block), mesh, pl, 0, ep_axes)
     names = dict(input_names or {})
     inputs = {names.get(k, k): v for k, v in wants.items()}
     return ParallelModule(module, mesh, inputs)
@@ -330,162 +331,6 @@ def _split_experts(experts: nn.Module, fqn: str, weight) -> None:
     experts.num_experts = count
     experts._is_expert_parallel = True
     experts.forward = ep_forward
-
-
-def _run_locally(sub: nn.Module, mesh: DeviceMesh, in_pl, batch_in: int = 0, ep_axes: tuple = ()) -> None:
-    """Run ``sub`` (an LSTM, or a mixture-of-experts block: no DTensor sharding rule in torch 2.13) on
-    each rank's batch shard with the local copy of its replicated weights. The input is brought to the
-    planned layout (the batch, axis ``batch_in``, split over some mesh axes), the weights enter as
-    local tensors whose gradients are declared partial over those axes (each rank's gradient covers
-    its share of the batch), so DTensor reduces them as a data-parallel gradient; outputs go back as
-    DTensors sharded on the batch (an LSTM's state on its axis 1).
-
-    Expert parallelism (``ep_axes``: the mesh axes splitting the experts): the input is whole over
-    those axes (the planned layout gathers it), each rank runs its own experts on every token, and
-    its output is a partial sum, all-reduced over ``ep_axes``; the gradients of the input and of the
-    replicated router are partial there too, the experts' own stay sharded."""
-    from torch.distributed.tensor import Partial
-    from torch.func import functional_call
-
-    forward = sub.forward
-    is_lstm = isinstance(sub, nn.LSTM)
-
-    def local_forward(x, *rest):
-        if not isinstance(x, DTensor):
-            return forward(x, *rest)
-        target = [Shard(batch_in) if isinstance(p, Shard) else Replicate() for p in in_pl]
-        x = x.redistribute(mesh, target) if tuple(x.placements) != tuple(target) else x
-
-        def grad_pl(w):  # partial over the batch split; over the experts split unless sharded there
-            return [Partial() if isinstance(p, Shard) else
-                    (q if isinstance(q, Shard) else Partial()) if i in ep_axes else Replicate()
-                    for i, (p, q) in enumerate(zip(target, w.placements))]
-
-        weights = {n: (w.to_local(grad_placements=grad_pl(w)) if isinstance(w, DTensor) else w)
-                   for n, w in sub.named_parameters()}
-        rest = tuple(tuple(h.to_local() if isinstance(h, DTensor) else h for h in r) if isinstance(r, tuple)
-                     else (r.to_local() if isinstance(r, DTensor) else r) for r in rest)
-        x_grad = [Partial() if i in ep_axes else p for i, p in enumerate(target)]
-        out = functional_call(sub, weights, (x.to_local(grad_placements=x_grad), *rest))
-        if is_lstm:
-            y, (h, c) = out
-            state_pl = [Shard(1) if isinstance(p, Shard) else Replicate() for p in target]
-            return (DTensor.from_local(y, mesh, target, run_check=False),
-                    (DTensor.from_local(h, mesh, state_pl, run_check=False),
-                     DTensor.from_local(c, mesh, state_pl, run_check=False)))
-        made = [Partial() if i in ep_axes else p for i, p in enumerate(target)]
-
-        def wrap(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            t = DTensor.from_local(t, mesh, made, run_check=False)
-            return t.redistribute(mesh, target) if ep_axes else t  # sum the experts' shares
-        return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
-
-    sub.forward = local_forward
-
-
-def _local_roles(op: Op, om: OpMesh, mesh_shape: tuple[int, ...]) -> tuple | None:
-    """What each mesh axis splits of a linear or convolution that must bypass DTensor's own rules,
-    or None for one DTensor runs as it is.
-
-    Two layouts fail there in torch 2.13 on a mesh of two or more axes:
-
-    * a **linear** whose input is split along a leading dim other than the first (the sequence, say)
-      and along a second leading dim or the same one on another axis: ``F.linear`` flattens the
-      leading dims, the split becomes a strided shard on each axis, and unflattening it back raises;
-    * a **convolution** with one tensor axis split over two mesh axes (the batch four ways on a 2x2
-      mesh): DTensor's convolution rule has no such strategy.
-
-    Both are products whose every mesh axis splits one kind of dim, so each rank can compute its
-    block with plain tensors (:func:`_compute_locally`). The roles, one per mesh axis: ``("lead",
-    k)`` splits axis ``k`` of the input and of the output (batch, sequence); ``("out",)`` the output
-    features or channels (weights split the same way); ``("red",)`` the summed dim (a partial sum
-    per rank); None: the axis replicates the op."""
-    if op.kind not in ("fc", "conv") or len(mesh_shape) < 2:
-        return None
-    split = om.placements(mesh_shape)
-    if all(d is None for d in split):
-        return None
-    if op.kind == "fc":
-        if "in_features" not in op.dim_names:
-            return None
-        lead = [n for n in op.dim_names if n not in ("out_features", "in_features")]
-        if len(lead) < 2 or not any(d in lead[1:] for d in split):
-            return None
-        out, red = "out_features", "in_features"
-    else:
-        lead = ["batch"]
-        dims = [d for d in split if d is not None]
-        if len(dims) == len(set(dims)) or any(d not in ("batch", "out_channels", "in_channels") for d in dims):
-            return None
-        out, red = "out_channels", "in_channels"
-    roles = []
-    for d in split:
-        roles.append(None if d is None else ("lead", lead.index(d)) if d in lead else
-                     ("out",) if d == out else ("red",) if d == red else "?")
-    return None if "?" in roles else tuple(roles)
-
-
-def _compute_locally(sub: nn.Module, mesh: DeviceMesh, roles: tuple) -> None:
-    """Run ``sub`` (a ``Linear``, GPT-2's ``Conv1D`` or a ``Conv2d``) on each rank's blocks as plain
-    tensors, its output declared as the DTensor the split makes (``roles``: see :func:`_local_roles`).
-
-    Per mesh axis: a leading split keeps the output split there and leaves the weights' gradients
-    partial (each rank's covers its rows); an output split keeps the output split on its last (a
-    linear's) or channel (a convolution's) axis and leaves the input's gradient partial; a split of
-    the summed dim leaves the output partial, with the bias added on the axis's first rank only (its
-    gradient partial too). The pre-hook has brought the input to the planned layout already."""
-    from torch.distributed.tensor import Partial
-
-    forward = sub.forward
-    conv = isinstance(sub, nn.Conv2d)
-
-    def local_forward(x, *rest):
-        if not isinstance(x, DTensor):
-            return forward(x, *rest)
-        feat = 1 if conv else x.ndim - 1
-        out_pl, x_grad = [], []
-        for i, role in enumerate(roles):
-            if role is None:
-                out_pl.append(Replicate())
-                x_grad.append(Replicate())
-            elif role[0] == "lead":
-                out_pl.append(Shard(role[1]))
-                x_grad.append(Shard(role[1]))
-            elif role[0] == "out":
-                out_pl.append(Shard(feat))
-                x_grad.append(Partial())
-            else:
-                out_pl.append(Partial())
-                x_grad.append(Shard(feat))
-        want = [p if not isinstance(p, Partial) else Replicate() for p in x_grad]
-        want = [Replicate() if r is not None and r[0] == "out" else w for r, w in zip(roles, want)]
-        if tuple(x.placements) != tuple(want):
-            x = x.redistribute(mesh, want)
-        weights = {}
-        for name, w in sub.named_parameters(recurse=False):
-            if not isinstance(w, DTensor):
-                weights[name] = w
-                continue
-            grad_pl = [Partial() if r is not None and (r[0] == "lead" or (r[0] == "red" and name == "bias")) else p
-                       for r, p in zip(roles, w.placements)]
-            local = w.to_local(grad_placements=grad_pl)
-            if name == "bias":
-                red = [i for i, r in enumerate(roles) if r == ("red",)]
-                if any(mesh.get_local_rank(i) != 0 for i in red):
-                    local = local * 0  # the partial sums carry the bias once
-            weights[name] = local
-        xl, w, b = x.to_local(grad_placements=x_grad), weights["weight"], weights.get("bias")
-        if conv:
-            y = sub._conv_forward(xl, w, b)
-        elif isinstance(sub, nn.Linear):
-            y = nn.functional.linear(xl, w, b)
-        else:  # GPT-2's Conv1D: weight (in, out)
-            y = xl @ w if b is None else torch.addmm(b, xl.reshape(-1, xl.shape[-1]), w).view(*xl.shape[:-1], -1)
-        return DTensor.from_local(y, mesh, out_pl, run_check=False)
-
-    sub.forward = local_forward
 
 
 class _GradAt(torch.autograd.Function):
