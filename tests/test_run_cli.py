@@ -97,10 +97,28 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert cluster.device.pool_bandwidth > 0
     assert 0 < cluster.device.redistribute_overhead < 0.1  # a DTensor Replicate -> Shard: host work only
     assert cluster.device.all_to_all_by_gather  # a CPU mesh: DTensor's all-to-all is a gather and a cut
+    assert 0.2 <= cluster.device.efficiency <= 1.0  # the compute probe's products as profiled
     # the convolution curves: the reference point (K = 576, M = 2048) is 1 by definition
     assert [k for k, _ in cluster.device.conv_reduction_efficiency] == [27.0, 144.0, 576.0]
     assert [m for m, _ in cluster.device.conv_rows_efficiency] == [128.0, 512.0, 2048.0, 8192.0]
     assert dict(cluster.device.conv_reduction_efficiency)[576.0] == 1.0 == dict(cluster.device.conv_rows_efficiency)[2048.0]
+
+
+def test_product_efficiency_by_hand():
+    """A probe modelled as ``G / e + R`` (products G = 0.3 s at the microbenchmarks' rates, the rest
+    R = 0.05 s) whose products were profiled at 0.5 s runs them at efficiency 0.6; the result stays
+    within the fit's 0.2-1 grid, and with the efficiency given only the dispatch cost is fitted."""
+    from shardplan.execute.calibrate import fit_efficiency, product_efficiency
+
+    def modelled(e):
+        return 0.3 / e + 0.05
+
+    assert product_efficiency(0.5, modelled) == pytest.approx(0.6)
+    assert product_efficiency(0.1, modelled) == 1.0 and product_efficiency(10.0, modelled) == 0.2
+    # two probes: 1000 and 100 dispatch units at 1e-4 s each on top of their modelled seconds at e = 0.6
+    probes = [(0.3 / 0.6 + 0.05 + 0.1, 1000), (0.03 / 0.6 + 0.005 + 0.01, 100)]
+    e, overhead = fit_efficiency(probes, lambda e: [0.3 / e + 0.05, 0.03 / e + 0.005], grid=[0.6])
+    assert e == 0.6 and overhead == pytest.approx(1e-4)
 
 
 def test_conv_curves_by_hand():
