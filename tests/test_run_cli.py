@@ -97,7 +97,7 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert cluster.device.pool_bandwidth > 0
     assert 0 < cluster.device.redistribute_overhead < 0.1  # a DTensor Replicate -> Shard: host work only
     assert cluster.device.all_to_all_by_gather  # a CPU mesh: DTensor's all-to-all is a gather and a cut
-    assert 0.2 <= cluster.device.efficiency <= 1.0  # the compute probe's products as profiled
+    assert 0.2 <= cluster.device.efficiency <= 1.0  # the joint fit's grid
     # the convolution curves: the reference point (K = 576, M = 2048) is 1 by definition
     assert [k for k, _ in cluster.device.conv_reduction_efficiency] == [27.0, 144.0, 576.0]
     assert [m for m, _ in cluster.device.conv_rows_efficiency] == [128.0, 512.0, 2048.0, 8192.0]
