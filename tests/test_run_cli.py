@@ -108,7 +108,7 @@ def test_product_efficiency_by_hand():
     """A probe modelled as ``G / e + R`` (products G = 0.3 s at the microbenchmarks' rates, the rest
     R = 0.05 s) whose products were profiled at 0.5 s runs them at efficiency 0.6; the result stays
     within the fit's 0.2-1 grid, and with the efficiency given only the dispatch cost is fitted."""
-    from shardplan.execute.calibrate import fit_efficiency, product_efficiency
+    from shardplan.execute.probes import fit_efficiency, product_efficiency
 
     def modelled(e):
         return 0.3 / e + 0.05
@@ -140,7 +140,7 @@ def test_fit_efficiency_recovers_the_rates_that_made_the_steps(efficiency, overh
     the given compute efficiency and dispatch cost would run them: the fit gives both back. Each
     probe's model: GEMM seconds at full rate over the efficiency, or its memory traffic when that is
     longer (the roofline), plus fixed traffic."""
-    from shardplan.execute.calibrate import fit_efficiency
+    from shardplan.execute.probes import fit_efficiency
 
     probes = [(4e-3, 1e-3, 1.5e-3, 700.0), (40e-3, 2e-3, 4e-3, 900.0)]  # gemm s, roofline floor s, fixed s, units
 

@@ -73,39 +73,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-
-def _best_time(fn, reps: int) -> float:
-    """Best seconds of a collective ``fn`` over ``reps`` repetitions: ranks aligned by a barrier, each
-    timing its own call (no trailing barrier, whose latency is not the collective's), the slowest
-    rank's time per repetition, the fastest repetition kept. On a shared machine the noise is
-    one-sided (a neighbour only ever slows a call down), so the minimum is the stable figure;
-    ``shardplan run`` reports the matching ``best_step_seconds``."""
-    fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
-    return min(times)
-
-
-def _local_time(fn, reps: int, inner: int = 8) -> float:
-    """Best seconds of a local ``fn`` while every rank runs it at once: ranks start together (one
-    barrier per batch), each times ``inner`` back-to-back calls, so no barrier latency is inside the
-    timing (a barrier over gloo costs a large fraction of a small matmul); the fastest batch is kept
-    (see ``_best_time``)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t0) / inner)
-    return min(times)
+from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, _best_time, _dispatch_overhead, _local_time,
+                                      _probe_gemm_seconds, _probe_step, _probe_tables, _sharded_dispatch_ratio,
+                                      fit_efficiency, product_efficiency)
 
 
 def _runtime_all_reduce(buf: torch.Tensor):
@@ -239,171 +209,6 @@ def _sync_jitter(budget: float = 1.0, blocks: int = 3) -> tuple[float, list]:
     return best
 
 
-def _probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = False):
-    """(best seconds of one training step, captured graph, dispatch units) of ``_probe``'s step."""
-    step, graph, units = _probe(p, probe, sharded)
-    return _local_time(step, reps, inner=2), graph, units
-
-
-def _probe(p: int, probe: dict | None = None, sharded: bool = False):
-    """(one training step, captured graph, dispatch units) of a Llama applied on the mesh of all
-    ranks as ``shardplan run`` applies plans: replicated, or data parallel when ``sharded``; the step
-    is forward, backward, the bucketed gradient reduction and the SGD update ``shardplan run`` takes.
-    Dispatch units: 3 x its exported aten calls plus one per parameter update (the cost model charges
-    each captured op ``3 x dispatches x op_overhead`` and each distinct parameter's update one
-    ``op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size."""
-    from shardplan.capture import capture
-    from shardplan.capture.models import build
-    from shardplan.execute.apply import apply
-    from shardplan.plan import Plan
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.manual_seed(0)
-    size = probe or dict(batch=2, seq=8, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64)
-    module, kwargs = build("llama", **size)
-    module.eval()
-    graph = capture(module, (), kwargs, name="llama")
-    tables, choice = _probe_tables(graph, p, sharded)
-    pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))
-    calls = sum(op.attr("dispatches", 0) for op in graph.ops)
-    updates = len({o.tensor for op in graph.ops for o in op.inputs if graph.tensor(o.tensor).is_param})
-
-    def step():
-        out = pm(**kwargs)
-        with pm.context():
-            out.logits.float().pow(2).mean().backward()
-            pm.reduce_gradients()
-            with torch.no_grad():
-                for q in module.parameters():
-                    q.add_(q.grad, alpha=-1e-3)
-                    q.grad = None
-
-    return step, graph, 3.0 * calls + updates
-
-
-def _sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
-    """How much more a dispatch unit costs on sharded tensors than on replicated ones: ``PROBE`` run
-    replicated and data parallel in turn, ``4 reps`` rounds (each round times two steps of each, on
-    the slowest rank, the two in alternating order), each step less its modelled cost without
-    dispatch (``_probe_tables`` at ``rates``) over its units; the median over rounds of the data-parallel
-    residual over the replicated one. Paired, so that the machine's drift cancels: a data-parallel
-    residual taken on its own (``data_parallel_probe_op_overhead``) read 0.93-1.99x ``op_overhead``
-    across 17 calibrations, the paired ratio 1.39-1.55 in six (torch.profiler: 1.53, DTensor's
-    Python dispatch of a Llama step's 1060 calls at equal shapes). ``split_op_overhead`` is
-    ``op_overhead`` times this ratio."""
-    runs = []
-    for sharded in (False, True):
-        step, graph, units = _probe(p, PROBE, sharded)
-        tables, choice = _probe_tables(graph, p, sharded, **rates)
-        step()
-        runs.append((step, tables.cost_of(choice), units))
-    ratios = []
-    for k in range(4 * reps):
-        residual = [0.0, 0.0]
-        for j in ((0, 1) if k % 2 else (1, 0)):
-            step, cost, units = runs[j]
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            step()
-            t = torch.tensor([(time.perf_counter() - t0) / 2])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            residual[j] = (float(t) - cost) / units
-        if residual[0] > 0 and residual[1] > 0:
-            ratios.append(residual[1] / residual[0])
-    return statistics.median(ratios) if ratios else float("nan")
-
-
-def _probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory_bandwidth: float = 1e18,
-                  efficiency: float = 1.0, gemm: tuple = (), latency: float = 1e-6, bandwidth: float = 1e9):
-    """Cost tables of a probe at the given rates with no dispatch cost (``op_overhead`` 0), and the
-    probe's plan: replicated, or data parallel when ``sharded``."""
-    from shardplan.cluster.model import Cluster, Device, Level
-    from shardplan.cost.analytic import AnalyticCostModel
-    from shardplan.cost.tables import build_tables
-    from shardplan.execute.launch import RUN_OPTIMIZER
-    from shardplan.execute.plans import replicated
-    from shardplan.search.baselines import data_parallel
-
-    rates = Device("measured", peak_flops, 1e12, memory_bandwidth, efficiency=efficiency, gemm_efficiency=gemm)
-    cluster = Cluster("measured", rates, (Level("pg", p, bandwidth, latency),))
-    tables = build_tables(graph, AnalyticCostModel(cluster, optimizer=RUN_OPTIMIZER), p)
-    return tables, list(data_parallel(tables)) if sharded else replicated(tables)
-
-
-def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
-                       probe: dict | None = None, sharded: bool = False, latency: float = 1e-6,
-                       bandwidth: float = 1e9, gemm: tuple = (), efficiency: float = 1.0) -> float:
-    """Seconds per dispatch unit of a probe (``_probe_step``): its step less what the cost model
-    charges for its arithmetic, memory traffic and (``sharded``) gradient all-reduces at the measured
-    rates (none when they are not given), over its dispatch units."""
-    seconds, graph, units = _probe_step(p, reps, probe, sharded)
-    tables, choice = _probe_tables(graph, p, sharded, peak_flops or 1e18, memory_bandwidth or 1e18, efficiency,
-                                   gemm, latency, bandwidth)
-    return max(seconds - tables.cost_of(choice), 0.0) / units
-
-
-GEMM_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-"""The kernels whose profiled self time is a probe's products (a linear's forward and both backward
-products, attention's batched ones)."""
-
-
-def _probe_gemm_seconds(p: int, probe: dict, rounds: int = 3, steps: int = 2) -> float:
-    """Seconds per training step this rank spends inside the probe's matrix products (self time of
-    ``GEMM_KERNELS`` under ``torch.profiler``), the fastest of ``rounds`` rounds of ``steps`` steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step, _, _ = _probe(p, probe)
-    step()
-    step()
-    best = float("inf")
-    for _ in range(rounds):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                step()
-        us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_KERNELS)
-        best = min(best, us / 1e6 / steps)
-    return best
-
-
-def product_efficiency(gemm_seconds: float, modelled) -> float:
-    """The compute efficiency at which the model prices a probe's products at their profiled time.
-
-    ``modelled(e)``: the probe's modelled seconds without dispatch at efficiency ``e``, ``G / e + R``
-    with ``G`` its products at the microbenchmarks' rates and ``R`` the rest (memory-bound work), so
-    ``G = modelled(0.5) - modelled(1)``; the efficiency is ``G / gemm_seconds``, kept within the
-    0.2-1 of :func:`fit_efficiency`'s grid."""
-    g = modelled(0.5) - modelled(1.0)
-    return min(max(g / gemm_seconds, 0.2), 1.0) if gemm_seconds > 0 else 1.0
-
-
-def fit_efficiency(probes, modelled, grid=None) -> tuple[float, float]:
-    """(efficiency, op_overhead) that best explain the probes' measured steps.
-
-    ``probes``: (seconds, dispatch units) per probe; ``modelled(e)``: the probes' modelled seconds
-    without dispatch at compute efficiency ``e`` (a list). A step is modelled as
-    ``modelled(e) + units x op_overhead``; for each ``e`` on a grid from 0.2 to 1 (steps of 0.01) the
-    non-negative ``op_overhead`` minimising the squared relative errors is solved in closed form, and
-    the ``e`` with the smallest error wins. A dispatch-bound probe pins the overhead, a compute-bound
-    one the efficiency: the fraction of the microbenchmarks' hot-cache rate that a model's GEMMs get
-    inside a training step (cold operands, freshly written gradients). ``grid``: the efficiencies to
-    try instead (one: only the overhead is fitted)."""
-    import numpy as np
-
-    t = np.array([s for s, _ in probes], dtype=np.float64)
-    n = np.array([u for _, u in probes], dtype=np.float64)
-    best = (float("inf"), 1.0, 0.0)
-    for e in (np.linspace(0.2, 1.0, 81) if grid is None else grid):
-        r = (t - np.array(modelled(float(e)), dtype=np.float64)) / t  # relative residual before dispatch
-        a = n / t
-        o = max(float(np.dot(r, a) / np.dot(a, a)), 0.0)
-        err = float(np.sum((r - o * a) ** 2))
-        if err < best[0] - 1e-15:
-            best = (err, float(e), o)
-    return best[1], best[2]
-
-
 SKINNY = (8, 32, 128)
 """Row counts m of the (m x 1024) @ (1024 x 1024) products whose FLOP rate over the n-cubed one's gives
 ``device.gemm_efficiency`` (at m = n the curve is 1 by definition)."""
@@ -453,16 +258,6 @@ def conv_curves(rates: dict) -> tuple[float, list, list]:
     reduction = [[float(k), float(r / first[cin0 * 9])] for k, r in sorted(first.items())]
     rows = [[float(m), float(r / inner[batch0 * side0 * side0])] for m, r in sorted(inner.items())]
     return float(rates[CONV_REFERENCE]), reduction, rows
-
-
-PROBE = dict(batch=4, seq=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=8, vocab_size=512)
-"""The Llama whose step, less its modelled arithmetic, calibrates the dispatch cost: small enough to be
-dispatch-bound, big enough for realistic tensors (a tiny one reads 4x less per call on this machine)."""
-COMPUTE_PROBE = dict(batch=8, seq=64, hidden_size=192, intermediate_size=768, num_hidden_layers=2,
-                     num_attention_heads=12, num_key_value_heads=12, vocab_size=1024)
-"""A Llama whose step is mostly arithmetic (about 5 GFLOP): with ``PROBE`` it fits the compute
-efficiency as well as the dispatch cost (``fit_efficiency``)."""
 
 
 def measure(reps: int = 10, n: int = 512) -> dict:
