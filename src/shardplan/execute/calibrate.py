@@ -34,7 +34,7 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   parallel (every op sharded), less its modelled arithmetic and gradient all-reduces, is kept in
   the file's comments only (``data_parallel_probe_op_overhead``), as is a tiny Llama's figure.
   Sharded ops pay ``split_op_overhead``: ``op_overhead`` times the paired ratio of the two probes'
-  residuals (``_sharded_dispatch_ratio``, 1.39-1.55 here): torch.profiler shows DTensor's dispatch
+  residuals (``sharded_dispatch_ratio``, 1.39-1.55 here): torch.profiler shows DTensor's dispatch
   1.5x dearer per call on sharded tensors (31.3 against 20.4 ms for a Llama step's 1060 calls at
   equal shapes);
 * **sync stretch**: how much longer compute takes when every phase of it ends at a sync point
@@ -73,9 +73,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, _best_time, _dispatch_overhead, _local_time,
-                                      _probe_gemm_seconds, _probe_step, _probe_tables, _sharded_dispatch_ratio,
-                                      fit_efficiency, product_efficiency)
+from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, best_time, build_probe, dispatch_overhead,
+                                      fit_efficiency, local_time, probe_gemm_seconds, probe_tables,
+                                      product_efficiency, sharded_dispatch_ratio)
 
 
 def _runtime_all_reduce(buf: torch.Tensor):
@@ -100,12 +100,12 @@ def _redistribute_overhead(reps: int) -> float:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     d = DTensor.from_local(torch.zeros(64, 16, requires_grad=True), mesh, [Replicate()])
-    return _local_time(lambda: d.redistribute(mesh, [Shard(0)]).to_local(), reps)
+    return local_time(lambda: d.redistribute(mesh, [Shard(0)]).to_local(), reps)
 
 
 def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
     """Best seconds of ``_runtime_all_reduce(buf)``."""
-    return _best_time(_runtime_all_reduce(buf), reps)
+    return best_time(_runtime_all_reduce(buf), reps)
 
 
 def _sync_stretch(reps: int, segments: int = 24) -> float:
@@ -134,7 +134,7 @@ def _sync_stretch(reps: int, segments: int = 24) -> float:
             torch.mm(x, w)
             collective()
 
-    def timed(fn) -> float:  # one repetition as _best_time takes it: from a barrier, the slowest rank
+    def timed(fn) -> float:  # one repetition as best_time takes it: from a barrier, the slowest rank
         dist.barrier()
         t0 = time.perf_counter()
         fn()
@@ -243,7 +243,7 @@ def _conv_rate(cin: int, batch: int, side: int, input_grad: bool, reps: int) -> 
         conv(img).sum().backward()
 
     passes = 3.0 if input_grad else 2.0
-    return passes * 2.0 * batch * side * side * 64 * cin * 9 / _local_time(step, reps, inner=2)
+    return passes * 2.0 * batch * side * side * 64 * cin * 9 / local_time(step, reps, inner=2)
 
 
 def conv_curves(rates: dict) -> tuple[float, list, list]:
@@ -263,27 +263,27 @@ def conv_curves(rates: dict) -> tuple[float, list, list]:
 def measure(reps: int = 10, n: int = 512) -> dict:
     p = dist.get_world_size()
     a, b = torch.randn(n, n), torch.randn(n, n)
-    t_mm = _local_time(lambda: torch.mm(a, b), reps)
+    t_mm = local_time(lambda: torch.mm(a, b), reps)
     flops = 2.0 * n ** 3 / t_mm
     skinny = {}
     w = torch.randn(1024, 1024)
     for m in SKINNY:
         x = torch.randn(m, 1024)
-        skinny[m] = 2.0 * m * 1024 * 1024 / _local_time(lambda: torch.mm(x, w), reps) / flops
+        skinny[m] = 2.0 * m * 1024 * 1024 / local_time(lambda: torch.mm(x, w), reps) / flops
     conv_rates = {shape: _conv_rate(*shape, reps) for shape in CONV_SHAPES}
     pool_in = torch.randn(8, 64, 32, 32, requires_grad=True)  # 2 MB: a CNN's pooled activation
 
     def pool_step():
         torch.nn.functional.max_pool2d(pool_in, 2).sum().backward()
 
-    pool_bw = pool_in.numel() * 4 / _local_time(pool_step, reps)
+    pool_bw = pool_in.numel() * 4 / local_time(pool_step, reps)
     big = torch.empty(8 * 1024 * 1024)  # 32 MB of fp32
     dst = torch.empty_like(big)
-    t_copy = _local_time(lambda: dst.copy_(big), reps)
+    t_copy = local_time(lambda: dst.copy_(big), reps)
     mem_bw = 2.0 * big.numel() * 4 / t_copy
     small, large = torch.zeros(256), torch.zeros(4 * 1024 * 1024)
-    raw_small = _best_time(lambda: dist.all_reduce(small), reps)
-    raw_large = _best_time(lambda: dist.all_reduce(large), reps)
+    raw_small = best_time(lambda: dist.all_reduce(small), reps)
+    raw_large = best_time(lambda: dist.all_reduce(large), reps)
     # small messages are cheap to repeat and their latency is noisy on shared machines: 4x the reps
     t_small, t_large = _dtensor_all_reduce(small, 4 * reps), _dtensor_all_reduce(large, reps)
     redistribute = _redistribute_overhead(4 * reps) if p > 1 else 0.0
@@ -303,30 +303,30 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     conv_flops, reduction_curve, rows_curve = conv_curves(conv_rates)
     probes = []
     for size in (PROBE, COMPUTE_PROBE):  # each probe's step on the slowest rank
-        seconds, graph, units = _probe_step(p, reps, size)
-        slowest = torch.tensor([seconds])
+        compute_step, graph, units = build_probe(p, size)  # the last one's step is profiled below
+        slowest = torch.tensor([local_time(compute_step, reps, inner=2)])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         probes.append((float(slowest), graph, units))
 
     def modelled(e):
         return [tables.cost_of(choice) for tables, choice in
-                (_probe_tables(g, p, False, flops, mem_bw, e, gemm) for _, g, _ in probes)]
+                (probe_tables(g, p, False, flops, mem_bw, e, gemm) for _, g, _ in probes)]
 
     efficiency, overhead = fit_efficiency([(s, u) for s, _, u in probes], modelled)
     # the efficiency the compute probe's products show under the profiler (the slowest rank's), kept
     # in the file's comments: used instead of the joint fit (session 16, run 4) it ranked the
     # fidelity plans better but priced every Llama step 21-31% fast, as the rest of a step (its
     # memory-bound ops) then costs more than the model's bandwidth pricing says
-    gemm_seconds = torch.tensor([_probe_gemm_seconds(p, COMPUTE_PROBE)])
+    gemm_seconds = torch.tensor([probe_gemm_seconds(compute_step)])
     dist.all_reduce(gemm_seconds, op=dist.ReduceOp.MAX)
     profiled_efficiency = product_efficiency(float(gemm_seconds), lambda e: modelled(e)[1])
     _, profiled_overhead = fit_efficiency([(s, u) for s, _, u in probes], modelled, grid=[profiled_efficiency])
     calls = sum(op.attr("dispatches", 0) for op in probes[0][1].ops)
     probe_seconds = [s for s, _, _ in probes]
-    split_overhead = (_dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
+    split_overhead = (dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
                                          bandwidth=beta, gemm=gemm, efficiency=efficiency) if p > 1 else overhead)
-    tiny_overhead = _dispatch_overhead(p, reps)
-    sharded_ratio = (_sharded_dispatch_ratio(p, reps, peak_flops=flops, memory_bandwidth=mem_bw,
+    tiny_overhead = dispatch_overhead(p, reps)
+    sharded_ratio = (sharded_dispatch_ratio(p, reps, peak_flops=flops, memory_bandwidth=mem_bw,
                                              efficiency=efficiency, gemm=gemm, latency=alpha, bandwidth=beta)
                      if p > 1 else 1.0)
     stretch = _sync_stretch(reps) if p > 1 else 0.0

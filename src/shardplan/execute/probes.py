@@ -4,7 +4,7 @@ primitives every measurement of it uses.
 A probe is a small Llama applied with DTensor on the mesh of all ranks as ``shardplan run`` applies
 plans (replicated, or data parallel), timed for a training step; the cost model's price of its
 arithmetic and traffic at the measured rates, subtracted from the step, leaves the host work per
-dispatch (``_dispatch_overhead``). Two probes, one dispatch-bound (``PROBE``) and one mostly
+dispatch (``dispatch_overhead``). Two probes, one dispatch-bound (``PROBE``) and one mostly
 arithmetic (``COMPUTE_PROBE``), fit the efficiency and the dispatch cost together
 (``fit_efficiency``); the compute probe's products as the profiler times them give another
 efficiency (``product_efficiency``), written to the file's comments only.
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 
-def _best_time(fn, reps: int) -> float:
+def best_time(fn, reps: int) -> float:
     """Best seconds of a collective ``fn`` over ``reps`` repetitions: ranks aligned by a barrier, each
     timing its own call (no trailing barrier, whose latency is not the collective's), the slowest
     rank's time per repetition, the fastest repetition kept. On a shared machine the noise is
@@ -37,11 +37,11 @@ def _best_time(fn, reps: int) -> float:
     return min(times)
 
 
-def _local_time(fn, reps: int, inner: int = 8) -> float:
+def local_time(fn, reps: int, inner: int = 8) -> float:
     """Best seconds of a local ``fn`` while every rank runs it at once: ranks start together (one
     barrier per batch), each times ``inner`` back-to-back calls, so no barrier latency is inside the
     timing (a barrier over gloo costs a large fraction of a small matmul); the fastest batch is kept
-    (see ``_best_time``)."""
+    (see ``best_time``)."""
     fn()
     times = []
     for _ in range(reps):
@@ -63,13 +63,13 @@ COMPUTE_PROBE = dict(batch=8, seq=64, hidden_size=192, intermediate_size=768, nu
 efficiency as well as the dispatch cost (``fit_efficiency``)."""
 
 
-def _probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = False):
-    """(best seconds of one training step, captured graph, dispatch units) of ``_probe``'s step."""
-    step, graph, units = _probe(p, probe, sharded)
-    return _local_time(step, reps, inner=2), graph, units
+def probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = False):
+    """(best seconds of one training step, captured graph, dispatch units) of ``build_probe``'s step."""
+    step, graph, units = build_probe(p, probe, sharded)
+    return local_time(step, reps, inner=2), graph, units
 
 
-def _probe(p: int, probe: dict | None = None, sharded: bool = False):
+def build_probe(p: int, probe: dict | None = None, sharded: bool = False):
     """(one training step, captured graph, dispatch units) of a Llama applied on the mesh of all
     ranks as ``shardplan run`` applies plans: replicated, or data parallel when ``sharded``; the step
     is forward, backward, the bucketed gradient reduction and the SGD update ``shardplan run`` takes.
@@ -88,7 +88,7 @@ def _probe(p: int, probe: dict | None = None, sharded: bool = False):
     module, kwargs = build("llama", **size)
     module.eval()
     graph = capture(module, (), kwargs, name="llama")
-    tables, choice = _probe_tables(graph, p, sharded)
+    tables, choice = probe_tables(graph, p, sharded)
     pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))
     calls = sum(op.attr("dispatches", 0) for op in graph.ops)
     updates = len({o.tensor for op in graph.ops for o in op.inputs if graph.tensor(o.tensor).is_param})
@@ -106,11 +106,11 @@ def _probe(p: int, probe: dict | None = None, sharded: bool = False):
     return step, graph, 3.0 * calls + updates
 
 
-def _sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
+def sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
     """How much more a dispatch unit costs on sharded tensors than on replicated ones: ``PROBE`` run
     replicated and data parallel in turn, ``4 reps`` rounds (each round times two steps of each, on
     the slowest rank, the two in alternating order), each step less its modelled cost without
-    dispatch (``_probe_tables`` at ``rates``) over its units; the median over rounds of the data-parallel
+    dispatch (``probe_tables`` at ``rates``) over its units; the median over rounds of the data-parallel
     residual over the replicated one. Paired, so that the machine's drift cancels: a data-parallel
     residual taken on its own (``data_parallel_probe_op_overhead``) read 0.93-1.99x ``op_overhead``
     across 17 calibrations, the paired ratio 1.39-1.55 in six (torch.profiler: 1.53, DTensor's
@@ -118,8 +118,8 @@ def _sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
     ``op_overhead`` times this ratio."""
     runs = []
     for sharded in (False, True):
-        step, graph, units = _probe(p, PROBE, sharded)
-        tables, choice = _probe_tables(graph, p, sharded, **rates)
+        step, graph, units = build_probe(p, PROBE, sharded)
+        tables, choice = probe_tables(graph, p, sharded, **rates)
         step()
         runs.append((step, tables.cost_of(choice), units))
     ratios = []
@@ -139,7 +139,7 @@ def _sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
-def _probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory_bandwidth: float = 1e18,
+def probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory_bandwidth: float = 1e18,
                   efficiency: float = 1.0, gemm: tuple = (), latency: float = 1e-6, bandwidth: float = 1e9):
     """Cost tables of a probe at the given rates with no dispatch cost (``op_overhead`` 0), and the
     probe's plan: replicated, or data parallel when ``sharded``."""
@@ -156,14 +156,14 @@ def _probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory
     return tables, list(data_parallel(tables)) if sharded else replicated(tables)
 
 
-def _dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
+def dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
                        probe: dict | None = None, sharded: bool = False, latency: float = 1e-6,
                        bandwidth: float = 1e9, gemm: tuple = (), efficiency: float = 1.0) -> float:
-    """Seconds per dispatch unit of a probe (``_probe_step``): its step less what the cost model
+    """Seconds per dispatch unit of a probe (``probe_step``): its step less what the cost model
     charges for its arithmetic, memory traffic and (``sharded``) gradient all-reduces at the measured
     rates (none when they are not given), over its dispatch units."""
-    seconds, graph, units = _probe_step(p, reps, probe, sharded)
-    tables, choice = _probe_tables(graph, p, sharded, peak_flops or 1e18, memory_bandwidth or 1e18, efficiency,
+    seconds, graph, units = probe_step(p, reps, probe, sharded)
+    tables, choice = probe_tables(graph, p, sharded, peak_flops or 1e18, memory_bandwidth or 1e18, efficiency,
                                    gemm, latency, bandwidth)
     return max(seconds - tables.cost_of(choice), 0.0) / units
 
@@ -173,13 +173,12 @@ GEMM_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 products, attention's batched ones)."""
 
 
-def _probe_gemm_seconds(p: int, probe: dict, rounds: int = 3, steps: int = 2) -> float:
-    """Seconds per training step this rank spends inside the probe's matrix products (self time of
-    ``GEMM_KERNELS`` under ``torch.profiler``), the fastest of ``rounds`` rounds of ``steps`` steps."""
+def probe_gemm_seconds(step, rounds: int = 3, steps: int = 2) -> float:
+    """Seconds per training step this rank spends inside a probe's matrix products (``step``, from
+    :func:`build_probe`; self time of ``GEMM_KERNELS`` under ``torch.profiler``), the fastest of
+    ``rounds`` rounds of ``steps`` steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    step, _, _ = _probe(p, probe)
-    step()
     step()
     best = float("inf")
     for _ in range(rounds):
