@@ -356,6 +356,42 @@ def test_folded_cheap_ops_are_priced_by_hand():
     assert np.allclose(t1.nodes[0].compute - t0.nodes[0].compute, expected)
 
 
+def test_folded_ops_the_loss_and_the_update_take_the_elementwise_bandwidth():
+    """With an ``elementwise_bandwidth`` a third of the copy bandwidth, the folded bytes (6 x 8 MB
+    over P devices) cost three times as much, and the optimizer's update likewise; the field
+    round-trips through a cluster file and a non-positive value is refused by name."""
+    import dataclasses
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+    from shardplan.cost.analytic import update_seconds
+    from shardplan.ir.graph import Graph
+
+    b = GraphBuilder("folded")
+    x = b.input("x", (64, 1024), ("batch", "features"))
+    b.linear(x, 1024, name="fc")
+    plain = b.build()
+    op = plain.ops[0]
+    folded = Graph("folded", (dataclasses.replace(op, attrs=op.attrs + (("folded_bytes", 8e6), ("folded_ops", 5))),),
+                   plain.tensors)
+    c = get_cluster("dgx-a100", devices=8)
+    bw = c.device.memory_bandwidth
+    slow = dataclasses.replace(c, device=dataclasses.replace(c.device, elementwise_bandwidth=bw / 3))
+    assert c.device.kernel_bandwidth == bw and slow.device.kernel_bandwidth == bw / 3
+    def compute(graph, cluster):
+        return build_tables(graph, AnalyticCostModel(cluster), 8).nodes[0].compute
+
+    procs = build_tables(plain, AnalyticCostModel(c), 8).configs[0].prod(axis=1)
+    # the folded bytes: 6 x 8 MB over P devices, at a third of the bandwidth
+    assert np.allclose(compute(folded, slow) - compute(plain, slow), 3 * 6 * 8e6 / procs / bw)
+    assert np.allclose(compute(folded, c) - compute(plain, c), 6 * 8e6 / procs / bw)
+    assert update_seconds(slow.device, "adam", 1e6) == pytest.approx(7e6 / (bw / 3))
+    assert cluster_from_dict(cluster_to_dict(slow)).device.elementwise_bandwidth == bw / 3
+    assert "elementwise_bandwidth" not in cluster_to_dict(c)["device"]
+    with pytest.raises(ClusterError, match="elementwise_bandwidth"):
+        dataclasses.replace(c.device, elementwise_bandwidth=0.0)
+
+
 def test_captured_dispatches_replace_the_per_pass_overhead():
     """A captured op that stands for d exported calls pays 3 d op_overhead (once forward, about twice
     backward), and its folded ops no longer pay dispatches of their own."""

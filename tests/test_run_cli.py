@@ -97,7 +97,9 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert cluster.device.pool_bandwidth > 0
     assert 0 < cluster.device.redistribute_overhead < 0.1  # a DTensor Replicate -> Shard: host work only
     assert cluster.device.all_to_all_by_gather  # a CPU mesh: DTensor's all-to-all is a gather and a cut
-    assert 0.2 <= cluster.device.efficiency <= 1.0  # the joint fit's grid
+    assert 0.2 <= cluster.device.efficiency <= 1.0  # the profiled products' efficiency, clamped to the grid
+    # the probe's memory-bound kernels, profiled in its step, never beat a copy
+    assert 0 < cluster.device.elementwise_bandwidth <= cluster.device.memory_bandwidth
     # the convolution curves: the reference point (K = 576, M = 2048) is 1 by definition
     assert [k for k, _ in cluster.device.conv_reduction_efficiency] == [27.0, 144.0, 576.0]
     assert [m for m, _ in cluster.device.conv_rows_efficiency] == [128.0, 512.0, 2048.0, 8192.0]
@@ -119,6 +121,45 @@ def test_product_efficiency_by_hand():
     probes = [(0.3 / 0.6 + 0.05 + 0.1, 1000), (0.03 / 0.6 + 0.005 + 0.01, 100)]
     e, overhead = fit_efficiency(probes, lambda e: [0.3 / e + 0.05, 0.03 / e + 0.005], grid=[0.6])
     assert e == 0.6 and overhead == pytest.approx(1e-4)
+
+
+def test_step_bandwidth_by_hand():
+    """A probe modelled as 0.01 s plus 2 MB at the bandwidth ``b`` whose memory-bound kernels were
+    profiled at 1 ms moves those bytes at 2 GB/s; a copy's rate caps it, and no profiled time or no
+    modelled bytes leave the copy's rate."""
+    from shardplan.execute.probes import step_bandwidth
+
+    def modelled(b):
+        return 0.01 + 2e6 / b
+
+    assert step_bandwidth(1e-3, modelled, 40e9) == pytest.approx(2e9)
+    assert step_bandwidth(1e-6, modelled, 40e9) == 40e9
+    assert step_bandwidth(0.0, modelled, 40e9) == 40e9
+    assert step_bandwidth(1e-3, lambda b: 0.01, 40e9) == 40e9
+
+
+def test_probe_kernel_seconds_splits_products_from_memory_kernels():
+    """Under the profiler a step of one large product and a few elementwise ops on small tensors
+    spends most of its kernel time in the product; a step of views only has no memory-bound
+    kernel time, and a step of elementwise ops on a large tensor has no product time."""
+    import torch
+
+    from shardplan.execute.probes import probe_kernel_seconds
+
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    small = torch.randn(64)
+    big = torch.randn(1 << 20)
+
+    def products():
+        torch.mm(a, b)
+        (small * 2 + 1).relu()
+
+    gemm, memory = probe_kernel_seconds(products, rounds=2, steps=2)
+    assert gemm > 0 and memory > 0 and gemm > memory
+    gemm, memory = probe_kernel_seconds(lambda: a.view(-1).t().reshape(384, 384).transpose(0, 1), rounds=1)
+    assert gemm == 0 and memory == 0
+    gemm, memory = probe_kernel_seconds(lambda: (big * 2).add_(1), rounds=1)
+    assert gemm == 0 and memory > 0
 
 
 def test_conv_curves_by_hand():

@@ -66,6 +66,14 @@ class Device:
     "falling back with allgather + chunk"), which receives ``q - 1`` tiles per device where an
     all-to-all receives ``(q - 1) / q`` of one. False (NCCL's all-to-all) for the datasheet presets;
     ``shardplan calibrate`` sets it for a CPU mesh."""
+    elementwise_bandwidth: float | None = None
+    """Bytes/s that a training step's memory-bound kernels get: the cheap ops capture folds into heavy
+    ones (norms, activations, residual adds, softmax), the loss, the optimizer's update and the
+    gradient buckets' packing. None = ``memory_bandwidth`` (on a GPU such kernels stream near the
+    datasheet rate). Measured by ``shardplan calibrate`` from a Llama probe's profiled kernels: on one
+    CPU core they move the bytes the model counts for them at about a third of a 32 MB copy's rate
+    (small tensors, broadcasts, several passes per op). A heavy op's own roofline keeps
+    ``memory_bandwidth``."""
     pool_bandwidth: float | None = None
     """Bytes of input per second a pooling kernel gets through, forward and backward together; None =
     priced as any memory-bound op (``memory_bandwidth``). Measured by ``shardplan calibrate``: on one
@@ -106,6 +114,11 @@ class Device:
     whole one and, on one CPU core, runs 5-10% below its rate; a 4 x 4 map of batch 8 (``M = 128``)
     at about two thirds of it."""
 
+    @property
+    def kernel_bandwidth(self) -> float:
+        """Bytes/s of a step's memory-bound kernels: ``elementwise_bandwidth``, else ``memory_bandwidth``."""
+        return self.memory_bandwidth if self.elementwise_bandwidth is None else self.elementwise_bandwidth
+
     def __post_init__(self) -> None:
         for name in ("gemm_efficiency", "conv_reduction_efficiency", "conv_rows_efficiency"):
             _check_curve(name, getattr(self, name))
@@ -115,6 +128,11 @@ class Device:
                 raise ClusterError(f"device.{f} must be a positive number, got {v!r}")
         if not isinstance(self.op_overhead, (int, float)) or self.op_overhead < 0:
             raise ClusterError(f"device.op_overhead must be a non-negative number, got {self.op_overhead!r}")
+        if self.elementwise_bandwidth is not None and (
+                not isinstance(self.elementwise_bandwidth, (int, float)) or isinstance(self.elementwise_bandwidth, bool)
+                or not self.elementwise_bandwidth > 0):
+            raise ClusterError(f"device.elementwise_bandwidth must be a positive number, got "
+                               f"{self.elementwise_bandwidth!r}")
         if self.pool_bandwidth is not None and (not isinstance(self.pool_bandwidth, (int, float))
                                                 or isinstance(self.pool_bandwidth, bool) or not self.pool_bandwidth > 0):
             raise ClusterError(f"device.pool_bandwidth must be a positive number, got {self.pool_bandwidth!r}")

@@ -6,7 +6,9 @@ op under a configuration ``c`` (split factor per iteration dim) on ``P = prod(c)
 * compute (s) = max(F / (peak * efficiency), B / memory_bandwidth)  -- the roofline (Williams et
   al., CACM 2009), with F = training FLOPs of one device's shard (forward x 3 for contractions:
   forward plus the two backward GEMMs; x 2 for other ops) and B = bytes of its operand tiles read
-  and written (x 3 / x 2 likewise).
+  and written (x 3 / x 2 likewise). The cheap ops folded into an op, the loss, the optimizer's
+  update and gradient packing are memory-bound kernels, priced at ``Device.kernel_bandwidth``
+  (the in-step ``elementwise_bandwidth`` when calibrated, else ``memory_bandwidth``).
 * intra-op communication: the *missing-dims rule*. A device's shard of an operand is computed (or
   its gradient accumulated) by every device that differs from it only in the split dims the operand
   does not index. So the op all-reduces
@@ -64,11 +66,11 @@ OPTIMIZER_STATES = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
 def update_seconds(device, optimizer: str, tile_bytes):
     """Seconds of one optimizer step on a parameter tile of ``tile_bytes`` (a number or an array):
     memory bound, it reads the weight, its gradient and the ``s`` optimizer states and writes the
-    weight and the states back, ``(3 + 2 s) x tile`` bytes at ``memory_bandwidth`` (Adam, s = 2: reads
+    weight and the states back, ``(3 + 2 s) x tile`` bytes at ``kernel_bandwidth`` (Adam, s = 2: reads
     p, g, m, v and writes p, m, v as ``torch.optim.Adam(fused=True)`` does; plain SGD: 3 x), plus one
     ``op_overhead`` (a loop over parameters; a multi-tensor kernel would pay it once for all). Its
     FLOPs (about 10 per element for Adam) are far below the memory-bound time on any device."""
-    return (3.0 + 2.0 * OPTIMIZER_STATES[optimizer]) * tile_bytes / device.memory_bandwidth + device.op_overhead
+    return (3.0 + 2.0 * OPTIMIZER_STATES[optimizer]) * tile_bytes / device.kernel_bandwidth + device.op_overhead
 
 
 @dataclass(frozen=True)
@@ -276,7 +278,7 @@ class AnalyticCostModel:
                 items.append(CostItem("weight_grad_allreduce", "comm", False, seconds, np.zeros_like(seconds),
                                       o.tensor))
                 if self.grad_bucket_bytes:  # copied into its flat bucket first: read + write at memory bandwidth
-                    pack = np.where(active, 2.0 * t / dev.memory_bandwidth, 0.0)
+                    pack = np.where(active, 2.0 * t / dev.kernel_bandwidth, 0.0)
                     after_backward.append(CostItem("grad_bucket_pack", "compute", True, pack, np.zeros_like(pack),
                                                    o.tensor))
             else:  # the input (activation) gradient: the producer's backward waits for it
@@ -326,7 +328,7 @@ class AnalyticCostModel:
         whole = graph.tensor(out.tensor).nbytes
         gather = np.where(members > 1, collective_seconds(self.cluster, "all_gather", tile * members, q), 0.0)
         dev = self.cluster.device
-        work = np.full(len(configs), 6.0 * whole / dev.memory_bandwidth + 3.0 * 2 * dev.op_overhead)
+        work = np.full(len(configs), 6.0 * whole / dev.kernel_bandwidth + 3.0 * 2 * dev.op_overhead)
         return [CostItem("loss_gather", "comm", True, gather, gather, out.tensor),
                 CostItem("loss", "compute", True, work, 0.5 * work)]
 
@@ -441,7 +443,7 @@ class AnalyticCostModel:
         if dev.pool_bandwidth and op.attr("folded_pool_input_bytes", 0):
             nbytes = nbytes - op.attr("folded_pool_bytes", 0)
             pool = op.attr("folded_pool_input_bytes") / procs / dev.pool_bandwidth
-        traffic = nbytes / procs / dev.memory_bandwidth
+        traffic = nbytes / procs / dev.kernel_bandwidth
         return 6.0 * traffic + 2.0 * n * per_dispatch + pool, 2.0 * traffic + n * per_dispatch + pool / 3.0
 
     def _halo(self, graph: Graph, op: Op, configs, c, strides) -> np.ndarray:

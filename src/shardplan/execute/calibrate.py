@@ -16,21 +16,22 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
 * **memory bandwidth**: bytes read plus written by a 64 MB copy per second;
 * **pooling**: bytes of input per second of a 2x2 max pool's forward + backward on a 2 MB
   activation (``pool_bandwidth``; on a CPU core far below the copy bandwidth);
-* **op overhead and compute efficiency**: two captured Llamas (``PROBE``, dispatch-bound, and
-  ``COMPUTE_PROBE``, mostly arithmetic) applied replicated with DTensor on the mesh of all ranks, as
-  ``shardplan run`` applies plans, each timed for a training step (forward, backward, bucketed
-  gradient reduction, SGD update; the slowest rank's best). A step is modelled as its arithmetic and
-  traffic at the rates above, the compute rates scaled by an ``efficiency``, plus ``units x
-  op_overhead`` (units: 3 x its exported aten calls plus one per parameter update; the cost model
-  charges a captured op ``3 x dispatches x op_overhead``). ``fit_efficiency`` picks the efficiency
-  and overhead that explain both steps. The compute probe's products as ``torch.profiler`` times
-  them give another efficiency (``product_efficiency``), kept in the file's comments only: the joint
-  fit puts about a third too much of a Llama step into its products and too little into the rest,
-  but used alone the profiled one leaves the rest under-priced (docs/fidelity.md, session 16).
+* **in-step bandwidth, compute efficiency and op overhead**: two captured Llamas (``PROBE``,
+  dispatch-bound, and ``COMPUTE_PROBE``, mostly arithmetic) applied replicated with DTensor on the
+  mesh of all ranks, as ``shardplan run`` applies plans, each timed for a training step (forward,
+  backward, bucketed gradient reduction, SGD update; the slowest rank's best). The compute probe's
+  step is also profiled (``probe_kernel_seconds``): its non-product kernels against the bytes the
+  model counts for them give ``elementwise_bandwidth`` (``step_bandwidth``; 11-12 GB/s against a
+  copy's 40 here), its products against their modelled FLOPs the ``efficiency``
+  (``product_efficiency``, 0.90-0.95). A step is modelled as its arithmetic and traffic at these
+  rates plus ``units x op_overhead`` (units: 3 x its exported aten calls plus one per parameter
+  update; the cost model charges a captured op ``3 x dispatches x op_overhead``), and
+  ``fit_efficiency`` fits the overhead to both probes' steps. The joint fit of efficiency and
+  overhead at the copy bandwidth (session 16's calibration: 0.52-0.63) is kept in the file's
+  comments: lacking the in-step bandwidth it put about a third too much of a Llama step into its
+  products and too little into the rest (docs/fidelity.md, sessions 16-17).
   The efficiency is the share of the microbenchmarks' hot-cache rate that a model's GEMMs get
-  inside a step: with efficiency 1 the fidelity models were predicted
-  1.2-1.5x fast, their in-step GEMMs reading operands cold and writing fresh gradients (the CNN's
-  fc1 weight-gradient product: 0.9 ms alone, 3.3 ms in a step). The same small probe run data
+  inside a step (operands read cold, gradients freshly written). The same small probe run data
   parallel (every op sharded), less its modelled arithmetic and gradient all-reduces, is kept in
   the file's comments only (``data_parallel_probe_op_overhead``), as is a tiny Llama's figure.
   Sharded ops pay ``split_op_overhead``: ``op_overhead`` times the paired ratio of the two probes'
@@ -74,8 +75,8 @@ import torch.distributed as dist
 import yaml
 
 from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, best_time, build_probe, dispatch_overhead,
-                                      fit_efficiency, local_time, probe_gemm_seconds, probe_tables,
-                                      product_efficiency, sharded_dispatch_ratio)
+                                      fit_efficiency, local_time, probe_kernel_seconds, probe_tables,
+                                      product_efficiency, sharded_dispatch_ratio, step_bandwidth)
 
 
 def _runtime_all_reduce(buf: torch.Tensor):
@@ -308,26 +309,32 @@ def measure(reps: int = 10, n: int = 512) -> dict:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         probes.append((float(slowest), graph, units))
 
-    def modelled(e):
+    def modelled(e, elementwise=None):
         return [tables.cost_of(choice) for tables, choice in
-                (probe_tables(g, p, False, flops, mem_bw, e, gemm) for _, g, _ in probes)]
+                (probe_tables(g, p, False, flops, mem_bw, e, gemm, elementwise_bandwidth=elementwise)
+                 for _, g, _ in probes)]
 
-    efficiency, overhead = fit_efficiency([(s, u) for s, _, u in probes], modelled)
-    # the efficiency the compute probe's products show under the profiler (the slowest rank's), kept
-    # in the file's comments: used instead of the joint fit (session 16, run 4) it ranked the
-    # fidelity plans better but priced every Llama step 21-31% fast, as the rest of a step (its
-    # memory-bound ops) then costs more than the model's bandwidth pricing says
-    gemm_seconds = torch.tensor([probe_gemm_seconds(compute_step)])
-    dist.all_reduce(gemm_seconds, op=dist.ReduceOp.MAX)
-    profiled_efficiency = product_efficiency(float(gemm_seconds), lambda e: modelled(e)[1])
-    _, profiled_overhead = fit_efficiency([(s, u) for s, _, u in probes], modelled, grid=[profiled_efficiency])
+    # the joint fit of efficiency and dispatch at the copy bandwidth, kept in the file's comments: it
+    # puts about a third too much of a Llama step into the products (session 16)
+    joint_efficiency, joint_overhead = fit_efficiency([(s, u) for s, _, u in probes], modelled)
+    # the compute probe's kernels under the profiler (the slowest rank's): its memory-bound kernels
+    # give the in-step bandwidth, its products the efficiency; only the dispatch cost is fitted
+    kernels = torch.tensor(probe_kernel_seconds(compute_step))
+    dist.all_reduce(kernels, op=dist.ReduceOp.MAX)
+    gemm_seconds, memory_seconds = float(kernels[0]), float(kernels[1])
+    elementwise = step_bandwidth(memory_seconds, lambda b: modelled(1.0, b)[1], mem_bw)
+    efficiency = product_efficiency(gemm_seconds, lambda e: modelled(e, elementwise)[1])
+    _, overhead = fit_efficiency([(s, u) for s, _, u in probes], lambda e: modelled(e, elementwise),
+                                 grid=[efficiency])
     calls = sum(op.attr("dispatches", 0) for op in probes[0][1].ops)
     probe_seconds = [s for s, _, _ in probes]
     split_overhead = (dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
-                                         bandwidth=beta, gemm=gemm, efficiency=efficiency) if p > 1 else overhead)
+                                         bandwidth=beta, gemm=gemm, efficiency=efficiency,
+                                         elementwise_bandwidth=elementwise) if p > 1 else overhead)
     tiny_overhead = dispatch_overhead(p, reps)
     sharded_ratio = (sharded_dispatch_ratio(p, reps, peak_flops=flops, memory_bandwidth=mem_bw,
-                                             efficiency=efficiency, gemm=gemm, latency=alpha, bandwidth=beta)
+                                             efficiency=efficiency, gemm=gemm, latency=alpha, bandwidth=beta,
+                                             elementwise_bandwidth=elementwise)
                      if p > 1 else 1.0)
     stretch = _sync_stretch(reps) if p > 1 else 0.0
     jitter, jitter_points = _sync_jitter() if p > 1 else (0.0, [])
@@ -337,11 +344,11 @@ def measure(reps: int = 10, n: int = 512) -> dict:
             # measured rate, which convolutions keep inside a training step (GEMMs do not: efficiency)
             "conv_flops": conv_flops, "conv_efficiency": conv_flops / (flops * efficiency),
             "conv_reduction_efficiency": reduction_curve, "conv_rows_efficiency": rows_curve,
-            "pool_bandwidth": pool_bw,
+            "pool_bandwidth": pool_bw, "elementwise_bandwidth": elementwise,
             "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
             "efficiency": efficiency, "probe_step_seconds": probe_seconds,
-            "compute_probe_gemm_seconds": float(gemm_seconds), "profiled_product_efficiency": profiled_efficiency,
-            "op_overhead_at_profiled_efficiency": profiled_overhead,
+            "compute_probe_gemm_seconds": gemm_seconds, "compute_probe_memory_kernel_seconds": memory_seconds,
+            "joint_fit_efficiency": joint_efficiency, "joint_fit_op_overhead": joint_overhead,
             "data_parallel_probe_op_overhead": split_overhead, "sharded_dispatch_ratio": sharded_ratio,
             "sync_stretch": stretch,
             "sync_jitter": jitter, "sync_jitter_points": jitter_points,
@@ -362,6 +369,8 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
                        "conv_reduction_efficiency": m["conv_reduction_efficiency"],
                        "conv_rows_efficiency": m["conv_rows_efficiency"],
                        "gemm_efficiency": m["gemm_efficiency"], "pool_bandwidth": m["pool_bandwidth"],
+                       **({"elementwise_bandwidth": m["elementwise_bandwidth"]}
+                          if m.get("elementwise_bandwidth") else {}),
                        "sync_stretch": m.get("sync_stretch", 0.0), "sync_jitter": m.get("sync_jitter", 0.0),
                        "redistribute_overhead": m.get("redistribute_overhead", 0.0),
                        "all_to_all_by_gather": bool(m.get("all_to_all_by_gather", False)),

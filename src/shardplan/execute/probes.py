@@ -4,10 +4,10 @@ primitives every measurement of it uses.
 A probe is a small Llama applied with DTensor on the mesh of all ranks as ``shardplan run`` applies
 plans (replicated, or data parallel), timed for a training step; the cost model's price of its
 arithmetic and traffic at the measured rates, subtracted from the step, leaves the host work per
-dispatch (``dispatch_overhead``). Two probes, one dispatch-bound (``PROBE``) and one mostly
-arithmetic (``COMPUTE_PROBE``), fit the efficiency and the dispatch cost together
-(``fit_efficiency``); the compute probe's products as the profiler times them give another
-efficiency (``product_efficiency``), written to the file's comments only.
+dispatch (``dispatch_overhead``). The mostly arithmetic probe (``COMPUTE_PROBE``) is also profiled
+(``probe_kernel_seconds``): its products give the compute efficiency (``product_efficiency``), its
+memory-bound kernels the bandwidth they get inside a step (``step_bandwidth``); with both rates fixed,
+``fit_efficiency`` fits the dispatch cost to it and the dispatch-bound ``PROBE``.
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
 
 
 def probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory_bandwidth: float = 1e18,
-                  efficiency: float = 1.0, gemm: tuple = (), latency: float = 1e-6, bandwidth: float = 1e9):
+                  efficiency: float = 1.0, gemm: tuple = (), latency: float = 1e-6, bandwidth: float = 1e9,
+                  elementwise_bandwidth: float | None = None):
     """Cost tables of a probe at the given rates with no dispatch cost (``op_overhead`` 0), and the
     probe's plan: replicated, or data parallel when ``sharded``."""
     from shardplan.cluster.model import Cluster, Device, Level
@@ -150,7 +151,8 @@ def probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory_
     from shardplan.execute.plans import replicated
     from shardplan.search.baselines import data_parallel
 
-    rates = Device("measured", peak_flops, 1e12, memory_bandwidth, efficiency=efficiency, gemm_efficiency=gemm)
+    rates = Device("measured", peak_flops, 1e12, memory_bandwidth, efficiency=efficiency, gemm_efficiency=gemm,
+                   elementwise_bandwidth=elementwise_bandwidth)
     cluster = Cluster("measured", rates, (Level("pg", p, bandwidth, latency),))
     tables = build_tables(graph, AnalyticCostModel(cluster, optimizer=RUN_OPTIMIZER), p)
     return tables, list(data_parallel(tables)) if sharded else replicated(tables)
@@ -158,13 +160,14 @@ def probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory_
 
 def dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
                        probe: dict | None = None, sharded: bool = False, latency: float = 1e-6,
-                       bandwidth: float = 1e9, gemm: tuple = (), efficiency: float = 1.0) -> float:
+                       bandwidth: float = 1e9, gemm: tuple = (), efficiency: float = 1.0,
+                       elementwise_bandwidth: float | None = None) -> float:
     """Seconds per dispatch unit of a probe (``probe_step``): its step less what the cost model
     charges for its arithmetic, memory traffic and (``sharded``) gradient all-reduces at the measured
     rates (none when they are not given), over its dispatch units."""
     seconds, graph, units = probe_step(p, reps, probe, sharded)
     tables, choice = probe_tables(graph, p, sharded, peak_flops or 1e18, memory_bandwidth or 1e18, efficiency,
-                                   gemm, latency, bandwidth)
+                                   gemm, latency, bandwidth, elementwise_bandwidth)
     return max(seconds - tables.cost_of(choice), 0.0) / units
 
 
@@ -172,22 +175,50 @@ GEMM_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 """The kernels whose profiled self time is a probe's products (a linear's forward and both backward
 products, attention's batched ones)."""
 
+METADATA_OPS = frozenset(f"aten::{n}" for n in (
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "as_strided", "expand",
+    "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "alias", "detach",
+    "empty", "empty_strided", "empty_like", "resolve_conj", "resolve_neg", "to", "lift_fresh", "contiguous",
+    "matmul", "linear", "numpy_T", "expand_as", "view_as", "flatten", "unflatten", "is_same_size", "result_type"))
+"""aten calls that move no data (views, allocations, composites whose work is in the kernels they call):
+their profiled self time is dispatch, which ``op_overhead`` prices, not memory traffic."""
 
-def probe_gemm_seconds(step, rounds: int = 3, steps: int = 2) -> float:
-    """Seconds per training step this rank spends inside a probe's matrix products (``step``, from
-    :func:`build_probe`; self time of ``GEMM_KERNELS`` under ``torch.profiler``), the fastest of
-    ``rounds`` rounds of ``steps`` steps."""
+
+def probe_kernel_seconds(step, rounds: int = 3, steps: int = 2) -> tuple[float, float]:
+    """(products, memory-bound kernels): seconds per training step this rank spends inside a probe's
+    matrix products (self time of ``GEMM_KERNELS``) and inside every other aten call that touches data
+    (elementwise ops, norms, softmax, copies, reductions, the optimizer's updates: the self time of
+    every ``aten::`` event that is neither a product nor in ``METADATA_OPS``), under
+    ``torch.profiler``; each the fastest of ``rounds`` rounds of ``steps`` steps of ``step`` (from
+    :func:`build_probe`). DTensor's own dispatch (the profiler's ``PythonSubclass``) and autograd's
+    bookkeeping are in neither."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
-    best = float("inf")
+    gemm, memory = float("inf"), float("inf")
     for _ in range(rounds):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 step()
-        us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_KERNELS)
-        best = min(best, us / 1e6 / steps)
-    return best
+        table = prof.key_averages()
+        us = sum(e.self_cpu_time_total for e in table if e.key in GEMM_KERNELS)
+        rest = sum(e.self_cpu_time_total for e in table
+                   if e.key.startswith("aten::") and e.key not in GEMM_KERNELS and e.key not in METADATA_OPS)
+        gemm, memory = min(gemm, us / 1e6 / steps), min(memory, rest / 1e6 / steps)
+    return gemm, memory
+
+
+def step_bandwidth(memory_seconds: float, modelled, bandwidth: float) -> float:
+    """The memory bandwidth (bytes/s) at which the model prices a probe's memory-bound work at its
+    profiled time (``memory_seconds``, from :func:`probe_kernel_seconds`).
+
+    ``modelled(b)``: the probe's modelled seconds without dispatch at memory bandwidth ``b``; the bytes
+    the model charges at that rate are ``(modelled(bandwidth) - modelled(inf)) x bandwidth``. Kept at
+    or below ``bandwidth`` (a copy's rate, which no kernel of a step beats)."""
+    nbytes = (modelled(bandwidth) - modelled(1e18)) * bandwidth
+    if memory_seconds <= 0 or nbytes <= 0:
+        return bandwidth
+    return min(nbytes / memory_seconds, bandwidth)
 
 
 def product_efficiency(gemm_seconds: float, modelled) -> float:
