@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from shardplan.cluster.mesh import MeshError, OpMesh
 from shardplan.cost.analytic import GRAD_BUCKET_BYTES
 from shardplan.execute.gradients import reduce_gradients
+from shardplan.execute.joins import PlannedJoins, graph_joins, tag
 from shardplan.execute.local import compute_locally, local_roles, run_locally
 from shardplan.execute.matmul import LocalBatchedMatmul
 from shardplan.cost.configs import split_limits
@@ -208,21 +209,26 @@ class ParallelModule(nn.Module):
     def context(self):
         return implicit_replication()
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, input_placements: dict):
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, input_placements: dict, joins: dict | None = None):
         super().__init__()
         self.module = module
         self.mesh = mesh
         self.input_placements = input_placements
+        self.joins = joins or {}
+        self.last_joins_placed = 0
+        """How many joins the last forward ran in their planned layout (``execute.joins``)."""
 
     def forward(self, *args, **kwargs):
         token = _MOVED.set({})
+        joins = PlannedJoins(self.mesh, self.joins)
         try:
-            with implicit_replication(), LocalBatchedMatmul():
+            with implicit_replication(), joins, LocalBatchedMatmul():
                 kwargs = {k: self._input(k, v) for k, v in kwargs.items()}
                 args = tuple(self._input(f"arg{i}", v) for i, v in enumerate(args))
                 return self.module(*args, **kwargs)
         finally:
             _MOVED.reset(token)
+            self.last_joins_placed = joins.placed
 
     def reduce_gradients(self, bucket_bytes: float = GRAD_BUCKET_BYTES) -> int:
         """All-reduce every parameter gradient DTensor left partial, in buckets: see
@@ -233,7 +239,9 @@ class ParallelModule(nn.Module):
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
             return value
         target = self.input_placements.get(name, [Replicate()] * self.mesh.ndim)
-        return distribute_tensor(value, self.mesh, target)
+        out = distribute_tensor(value, self.mesh, target)
+        tag(out, name)  # the graph input of that name (execute.joins)
+        return out
 
 
 def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
@@ -262,7 +270,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             in_pl = placements(acts[0], om, shape) if acts else None
             out_pl = placements(op.outputs[0], om, shape)
             hooks[op.module] = (src.shape if src else None, in_pl, out_pl, graph.tensor(op.outputs[0].tensor).shape,
-                                _linear_input(op, om, shape), local_roles(op, om, shape))
+                                _linear_input(op, om, shape), local_roles(op, om, shape), op.outputs[0].tensor)
     params = dict(module.named_parameters())
     missing = [n for n in placed if n not in params]
     if missing:
@@ -275,7 +283,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
         setattr(sub, attr, nn.Parameter(distribute_tensor(param.detach(), mesh, pl),
                                         requires_grad=param.requires_grad))
     local = dict(graph.meta).get("local_blocks", ())
-    for fqn, (in_shape, in_pl, out_pl, out_shape, linear_in, roles) in hooks.items():
+    for fqn, (in_shape, in_pl, out_pl, out_shape, linear_in, roles, out_name) in hooks.items():
         if any(fqn == b or fqn.startswith(b + ".") for b in local):
             continue  # runs inside a local block, on plain tensors
         sub = module.get_submodule(fqn)
@@ -291,7 +299,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             # DTensor's pooling rules lose the global shape of channel-sharded maps (torch 2.13):
             # conv outputs keep only their batch split; the next conv re-shards (locally, no traffic)
             out_pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in out_pl]
-        sub.register_forward_hook(_post_hook(mesh, out_shape, out_pl))
+        sub.register_forward_hook(_post_hook(mesh, out_shape, out_pl, out_name))
     for block in dict(graph.meta).get("local_blocks", ()):
         # a mixture-of-experts block (one fused op) runs on each rank's batch shard, its experts
         # divided over the mesh axes that split ``experts``
@@ -306,7 +314,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
         run_locally(module.get_submodule(block), mesh, pl, 0, ep_axes)
     names = dict(input_names or {})
     inputs = {names.get(k, k): v for k, v in wants.items()}
-    return ParallelModule(module, mesh, inputs)
+    return ParallelModule(module, mesh, inputs, graph_joins(graph, opmeshes, shape, placements))
 
 
 def _split_experts(experts: nn.Module, fqn: str, weight) -> None:
@@ -427,22 +435,30 @@ def _pre_hook(mesh, in_shape, target, linear_in=None):
     return hook
 
 
-def _post_hook(mesh, out_shape, target):
+def _post_hook(mesh, out_shape, target, name=None):
     def hook(mod, args, out):
-        if isinstance(out, DTensor):
-            shape, want = tuple(out_shape), tuple(target)
-            if tuple(out.shape) != shape and _same_rows(tuple(out.shape), shape):
-                # the planned output viewed with its leading dims split or merged (GPT-2's Conv1D)
-                want = tuple(_view_placements(shape, tuple(out.shape), list(want), tuple(mesh.shape)))
-                shape = tuple(out.shape)
-            if tuple(out.shape) == shape:
-                out = out.redistribute(mesh, want) if tuple(out.placements) != want else out
-            elif any(p.is_partial() for p in out.placements):  # reduce partial sums at the op, as planned
-                out = out.redistribute(mesh, [Replicate() if p.is_partial() else p for p in out.placements])
-            if mesh.ndim > 1 and out.requires_grad:
-                # the output's gradient comes back in the output's layout: on two or more mesh axes
-                # DTensor's backward may otherwise hand a linear a gradient split along the sequence
-                # over both axes, which its flatten turns into a strided shard it cannot unflatten
-                out = _GradAt.apply(out)
+        out = _placed_output(mesh, out_shape, target, out)
+        if name is not None:
+            tag(out, name)  # the op's output, for the joins that read it (execute.joins)
         return out
     return hook
+
+
+def _placed_output(mesh, out_shape, target, out):
+    """A heavy module's output brought to the layout its op writes (partial sums reduced there)."""
+    if isinstance(out, DTensor):
+        shape, want = tuple(out_shape), tuple(target)
+        if tuple(out.shape) != shape and _same_rows(tuple(out.shape), shape):
+            # the planned output viewed with its leading dims split or merged (GPT-2's Conv1D)
+            want = tuple(_view_placements(shape, tuple(out.shape), list(want), tuple(mesh.shape)))
+            shape = tuple(out.shape)
+        if tuple(out.shape) == shape:
+            out = out.redistribute(mesh, want) if tuple(out.placements) != want else out
+        elif any(p.is_partial() for p in out.placements):  # reduce partial sums at the op, as planned
+            out = out.redistribute(mesh, [Replicate() if p.is_partial() else p for p in out.placements])
+        if mesh.ndim > 1 and out.requires_grad:
+            # the output's gradient comes back in the output's layout: on two or more mesh axes
+            # DTensor's backward may otherwise hand a linear a gradient split along the sequence
+            # over both axes, which its flatten turns into a strided shard it cannot unflatten
+            out = _GradAt.apply(out)
+    return out
