@@ -166,6 +166,44 @@ def test_redistribution_edge():
     assert e.cost[e.src_class[src], e.dst_class[same]] == 0.0
 
 
+def test_gather_rates_price_one_way_collectives_and_edges():
+    """With a level's ``gather_latency`` and ``gather_bandwidth`` set, all-gather, reduce-scatter and
+    all-to-all and the moves on edges take them, the all-reduce keeps ``latency`` and ``bandwidth``;
+    the fields round-trip through a cluster file, survive growing the cluster, and bad values are
+    refused by name."""
+    import dataclasses
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+
+    base = cluster()
+    a_g, b_g = 3 * ALPHA0, BETA0 / 2
+    lv = dataclasses.replace(base.levels[0], gather_latency=a_g, gather_bandwidth=b_g)
+    c = dataclasses.replace(base, levels=(lv,) + base.levels[1:])
+    n, q = 8e6, c.per_level(4, 1)
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert collective_seconds(c, kind, n, q) == pytest.approx(3 * a_g + 0.75 * n / b_g)
+    assert collective_seconds(c, "all_reduce", n, q) == collective_seconds(base, "all_reduce", n, q)
+    # the edge of test_redistribution_edge: each way, one move of 3/4 of a tile at the gather rates
+    b = GraphBuilder("two")
+    x = b.input("x", (64, 256), ("batch", "features"))
+    b.layer_norm(b.linear(x, 256, name="a"), name="n")
+    g = b.build()
+    tables = build_tables(g, AnalyticCostModel(c), 4)
+    e = tables.edges[0]
+    got = e.cost[e.src_class[tables.index_of(0, (4, 1, 1))], e.dst_class[tables.index_of(1, (1, 4))]]
+    assert got == pytest.approx(2 * (a_g + 0.75 * (4 * 64 * 256 / 4) / b_g), rel=1e-12)
+    back = cluster_from_dict(cluster_to_dict(c))
+    assert (back.levels[0].gather_latency, back.levels[0].gather_bandwidth) == (a_g, b_g)
+    assert "gather_latency" not in cluster_to_dict(base)["levels"][0]
+    grown = dataclasses.replace(c, levels=(c.levels[0], dataclasses.replace(c.levels[1], gather_latency=a_g)))
+    assert grown.with_devices(64).levels[-1].gather_latency == a_g
+    with pytest.raises(ClusterError, match="gather_bandwidth"):
+        dataclasses.replace(lv, gather_bandwidth=0.0)
+    with pytest.raises(ClusterError, match="gather_latency"):
+        dataclasses.replace(lv, gather_latency=-1.0)
+
+
 def test_a_runtime_without_all_to_all_gathers_the_split_dim_it_leaves():
     """On a CPU mesh DTensor moves batch-split -> feature-split (4 ways) by gathering the batch and
     cutting the features: each device receives the 3 tiles it lacks of the whole tensor, both ways,

@@ -100,6 +100,8 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert 0.2 <= cluster.device.efficiency <= 1.0  # the profiled products' efficiency, clamped to the grid
     # the probe's memory-bound kernels, profiled in its step, never beat a copy
     assert 0 < cluster.device.elementwise_bandwidth <= cluster.device.memory_bandwidth
+    # the runtime's all-gather, fitted apart from its all-reduce
+    assert cluster.levels[0].gather_bandwidth > 0 and cluster.levels[0].gather_latency > 0
     # the convolution curves: the reference point (K = 576, M = 2048) is 1 by definition
     assert [k for k, _ in cluster.device.conv_reduction_efficiency] == [27.0, 144.0, 576.0]
     assert [m for m, _ in cluster.device.conv_rows_efficiency] == [128.0, 512.0, 2048.0, 8192.0]

@@ -81,7 +81,8 @@ _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memo
                   "split_op_overhead": float, "sync_stretch": float, "sync_jitter": float,
                   "pool_bandwidth": float, "elementwise_bandwidth": float, "redistribute_overhead": float,
                   "all_to_all_by_gather": bool}
-_LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float}
+_LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float, "gather_bandwidth": float,
+                 "gather_latency": float}
 
 
 def _fields(where: str, raw: Any, spec: dict[str, type], required: tuple[str, ...]) -> dict[str, Any]:
@@ -192,5 +193,7 @@ def cluster_to_dict(cluster: Cluster) -> dict:
                           if d.elementwise_bandwidth is not None else {}),
                        **({"redistribute_overhead": d.redistribute_overhead} if d.redistribute_overhead else {}),
                        **({"all_to_all_by_gather": True} if d.all_to_all_by_gather else {})},
-            "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency}
+            "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency,
+                        **({"gather_bandwidth": lv.gather_bandwidth} if lv.gather_bandwidth is not None else {}),
+                        **({"gather_latency": lv.gather_latency} if lv.gather_latency is not None else {})}
                        for lv in cluster.levels]}

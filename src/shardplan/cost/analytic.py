@@ -491,7 +491,8 @@ class AnalyticCostModel:
         every device (the runtime replicates an unsplit op), so cutting a split out of it moves no
         byte, and that a runtime without an all-to-all (``Device.all_to_all_by_gather``) gathers
         what a change of split dim leaves (``gathered_words``); each move that carries bytes pays
-        the level's latency, and each direction that changes the layout the device's
+        the level's ``move_latency`` and its bytes at ``move_bandwidth`` (the one-way collectives'
+        rates, ``gather_latency`` and ``gather_bandwidth`` when calibrated), and each direction that changes the layout the device's
         ``redistribute_overhead`` (docs/cost_model.md, *Redistribution on edges*)."""
         fwd = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
         bwd = redistribution_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes
@@ -502,8 +503,8 @@ class AnalyticCostModel:
             bwd = np.maximum(bwd, gathered_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes)
         span = np.maximum(np.prod(src_layouts, axis=1)[:, None], np.prod(dst_layouts, axis=1)[None, :])
         level = self.cluster.level_of_span(span)
-        bw = np.array([lv.bandwidth for lv in self.cluster.levels])[level]
-        lat = np.array([lv.latency for lv in self.cluster.levels])[level]
+        bw = np.array([lv.move_bandwidth for lv in self.cluster.levels])[level]
+        lat = np.array([lv.move_latency for lv in self.cluster.levels])[level]
         moves = np.where(fwd > 0, lat + fwd / bw, 0.0) + np.where(bwd > 0, lat + bwd / bw, 0.0)
         changed = (src_layouts[:, None, :] != dst_layouts[None, :, :]).any(axis=2)
         return moves + np.where(changed, 2.0 * self.cluster.device.redistribute_overhead, 0.0)

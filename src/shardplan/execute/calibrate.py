@@ -56,6 +56,11 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   process-group call for small messages; the raw times are kept in the file's comments), fitted to
   the ring model the cost model uses, ``t = 2 (p-1) alpha + 2 (p-1)/p * n / beta``
   (``cluster.model.collective_seconds``): alpha from the small message, beta from the large one.
+  The one-way collectives, and the moves of a tensor between layouts on edges, are fitted apart:
+  a 1 KB and a 16 MB tensor split by rows, gathered as the runtime gathers it (Shard -> Replicate),
+  to ``t = (p-1) alpha_g + (p-1)/p * n / beta_g`` (``gather_latency``, ``gather_bandwidth``): on
+  gloo a DTensor all-gather of two ranks costs 450 us small and 10.5 ms at 16 MB, where the
+  all-reduce's fit says 175 us and 7 ms.
   Each repetition starts at a barrier and takes the slowest rank's time, with no trailing barrier.
 
 Rank 0 writes the YAML file; ``shardplan plan/run --cluster FILE`` then price plans in this
@@ -102,6 +107,19 @@ def _redistribute_overhead(reps: int) -> float:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     d = DTensor.from_local(torch.zeros(64, 16, requires_grad=True), mesh, [Replicate()])
     return local_time(lambda: d.redistribute(mesh, [Shard(0)]).to_local(), reps)
+
+
+def _dtensor_all_gather(numel: int, reps: int) -> float:
+    """Best seconds of gathering a tensor of ``numel`` fp32 elements split by rows over all ranks, as
+    the runtime moves an activation from a split layout to a whole one (a Shard(0) DTensor
+    redistributed to Replicate)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    p = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (p,))
+    d = DTensor.from_local(torch.zeros(numel // p), mesh, [Shard(0)])
+    return best_time(lambda: d.redistribute(mesh, [Replicate()]).to_local(), reps)
 
 
 def _dtensor_all_reduce(buf: torch.Tensor, reps: int) -> float:
@@ -292,8 +310,15 @@ def measure(reps: int = 10, n: int = 512) -> dict:
         alpha = t_small / (2.0 * (p - 1))
         nbytes = large.numel() * 4
         beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
+        # the one-way collectives (and the moves on edges) as the runtime issues them: an all-gather
+        # of 1 KB and of 16 MB, fitted to (p-1) alpha_g + (p-1)/p n / beta_g
+        g_small, g_large = _dtensor_all_gather(small.numel(), 4 * reps), _dtensor_all_gather(large.numel(), reps)
+        gather_alpha = g_small / (p - 1)
+        gather_beta = (p - 1) / p * nbytes / max(g_large - (p - 1) * gather_alpha, 1e-9)
     else:
         alpha, beta = 0.0, float("inf")
+        g_small = g_large = gather_alpha = 0.0
+        gather_beta = float("inf")
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor([flops, mem_bw, pool_bw] + [skinny[m] for m in SKINNY]
                          + [conv_rates[c] for c in CONV_SHAPES])
@@ -345,7 +370,9 @@ def measure(reps: int = 10, n: int = 512) -> dict:
             "conv_flops": conv_flops, "conv_efficiency": conv_flops / (flops * efficiency),
             "conv_reduction_efficiency": reduction_curve, "conv_rows_efficiency": rows_curve,
             "pool_bandwidth": pool_bw, "elementwise_bandwidth": elementwise,
-            "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta, "matmul_n": n, "op_overhead": overhead,
+            "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta,
+            "gather_latency": gather_alpha, "gather_bandwidth": gather_beta,
+            "matmul_n": n, "op_overhead": overhead,
             "efficiency": efficiency, "probe_step_seconds": probe_seconds,
             "compute_probe_gemm_seconds": gemm_seconds, "compute_probe_memory_kernel_seconds": memory_seconds,
             "joint_fit_efficiency": joint_efficiency, "joint_fit_op_overhead": joint_overhead,
@@ -357,7 +384,8 @@ def measure(reps: int = 10, n: int = 512) -> dict:
             "all_to_all_by_gather": True,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
             "seconds": {"mm": t_mm, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
-                        "dtensor_all_reduce_16MB": t_large, "process_group_all_reduce_1KB": raw_small,
+                        "dtensor_all_reduce_16MB": t_large, "dtensor_all_gather_1KB": g_small,
+                        "dtensor_all_gather_16MB": g_large, "process_group_all_reduce_1KB": raw_small,
                         "process_group_all_reduce_16MB": raw_large}}
 
 
@@ -378,7 +406,9 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
                           if m.get("sharded_dispatch_ratio", 0.0) > 0 else {})},
             "levels": [{"name": "process group", "fanout": m["world_size"],
                         "bandwidth": m["bandwidth"] if m["bandwidth"] != float("inf") else 1e12,
-                        "latency": m["latency"]}]}
+                        "latency": m["latency"],
+                        **({"gather_bandwidth": m["gather_bandwidth"], "gather_latency": m["gather_latency"]}
+                           if m.get("gather_bandwidth", float("inf")) != float("inf") else {})}]}
 
 
 def main(argv=None) -> None:

@@ -391,10 +391,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"calibration failed (torchrun exit {proc.returncode}):\n{last_lines(proc)}")
     c = load_cluster(args.out)
     lv = c.levels[0]
-    print(f"wrote {args.out}: {c.device.peak_flops / 1e9:.3g} GFLOP/s matmul per rank, "
-          f"{c.device.memory_bandwidth / 1e9:.3g} GB/s memory, {lv.fanout} ranks: all-reduce "
-          f"{lv.bandwidth / 1e9:.3g} GB/s, latency {lv.latency * 1e6:.3g} us, redistribution "
-          f"{c.device.redistribute_overhead * 1e6:.3g} us")
+    print(f"wrote {args.out}: {c.device.peak_flops / 1e9:.3g} GFLOP/s matmul per rank (x {c.device.efficiency:.2f} "
+          f"in a step), {c.device.memory_bandwidth / 1e9:.3g} GB/s memory ({c.device.kernel_bandwidth / 1e9:.3g} "
+          f"in a step's kernels), {lv.fanout} ranks: all-reduce {lv.bandwidth / 1e9:.3g} GB/s, latency "
+          f"{lv.latency * 1e6:.3g} us; all-gather {lv.move_bandwidth / 1e9:.3g} GB/s, latency "
+          f"{lv.move_latency * 1e6:.3g} us; redistribution {c.device.redistribute_overhead * 1e6:.3g} us")
     return 0
 
 
