@@ -164,6 +164,35 @@ def test_probe_kernel_seconds_splits_products_from_memory_kernels():
     assert gemm == 0 and memory > 0
 
 
+def test_fit_sync_jitter_recovers_the_jitter_a_step_was_priced_at():
+    """A two-layer MLP, tensor parallel on 4 devices of a toy cluster: a step priced at a jitter of
+    0.013 s^0.5 fits back to 0.013 from a cluster with any other jitter; a step faster than the plan
+    without waits fits to 0."""
+    import dataclasses
+
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.step import step_seconds
+    from shardplan.cost.tables import build_tables
+    from shardplan.execute.launch import RUN_OPTIMIZER
+    from shardplan.execute.plans import tensor_parallel
+    from shardplan.cluster import get_cluster
+    from shardplan.execute.probes import fit_sync_jitter
+    from shardplan.ir.builder import GraphBuilder
+
+    b = GraphBuilder("mlp")
+    x = b.input("x", (64, 512), ("batch", "features"))
+    b.linear(b.linear(x, 2048, name="mlp.up_proj"), 512, name="mlp.down_proj")
+    graph = b.build()
+    base = get_cluster("dgx-a100", devices=4)
+    priced = dataclasses.replace(base, device=dataclasses.replace(base.device, sync_jitter=0.013, sync_stretch=0.2))
+    model = AnalyticCostModel(priced, optimizer=RUN_OPTIMIZER)
+    tables = build_tables(graph, model, 4)
+    seconds = step_seconds(model, tables, tensor_parallel(tables))
+    other = dataclasses.replace(priced, device=dataclasses.replace(priced.device, sync_jitter=0.5))
+    assert fit_sync_jitter(seconds, graph, other, 4, tensor_parallel) == pytest.approx(0.013, rel=1e-9)
+    assert fit_sync_jitter(seconds / 10, graph, other, 4, tensor_parallel) == 0.0
+
+
 def test_conv_curves_by_hand():
     """Rates of the calibrated convolutions (FLOP/s by in channels, batch, map side, input gradient)
     give the reference rate and each curve as rates over its own reference point: by im2col

@@ -45,8 +45,13 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   whose pass ends in a collective on the critical path;
 * **sync jitter**: how long a rank waits at a sync point for its slowest peer after ``T`` seconds of
   compute: rounds of 1, 4 and 16 ms of matrix products, each followed by a small all-reduce, fitted
-  to ``wait = sync_jitter x sqrt(T)`` (``_sync_jitter``); ``cost.step.step_seconds`` charges it
-  at every sync point of a plan's step (the cost tables keep the per-op ``sync_stretch``);
+  to ``wait = sync_jitter x sqrt(T)`` (``_sync_jitter``, kept in the file's comments as
+  ``sync_jitter_microbenchmark``); the file's ``sync_jitter`` is then fitted to the compute probe
+  run tensor parallel (Megatron's plan: an all-reduce on the critical path after every attention
+  and MLP block, forward and backward), at every other rate calibrated here, so that
+  ``cost.step.step_seconds`` prices that step as measured (``fit_sync_jitter``);
+  ``step_seconds`` charges it at every sync point of a plan's step (the cost tables keep the
+  per-op ``sync_stretch``);
 * **redistribution overhead**: a DTensor redistribution that moves no byte (Replicate -> Shard, a
   local chunk with its autograd node; ``_redistribute_overhead``), charged per direction of every
   edge whose layouts differ (``Device.redistribute_overhead``): a plan that changes layouts often
@@ -56,6 +61,8 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   process-group call for small messages; the raw times are kept in the file's comments), fitted to
   the ring model the cost model uses, ``t = 2 (p-1) alpha + 2 (p-1)/p * n / beta``
   (``cluster.model.collective_seconds``): alpha from the small message, beta from the large one.
+  Every collective is timed in three rounds spread over the calibration (at the start, after the
+  compute microbenchmarks, after the probes), the best of each kept (``_network_times``).
   The one-way collectives, and the moves of a tensor between layouts on edges, are fitted apart:
   a 1 KB and a 16 MB tensor split by rows, gathered as the runtime gathers it (Shard -> Replicate),
   to ``t = (p-1) alpha_g + (p-1)/p * n / beta_g`` (``gather_latency``, ``gather_bandwidth``): on
@@ -79,8 +86,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from shardplan.execute.plans import tensor_parallel
 from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, best_time, build_probe, dispatch_overhead,
-                                      fit_efficiency, local_time, probe_kernel_seconds, probe_tables,
+                                      fit_efficiency, fit_sync_jitter, local_time, probe_kernel_seconds,
+                                      probe_tables,
                                       product_efficiency, sharded_dispatch_ratio, step_bandwidth)
 
 
@@ -279,8 +288,42 @@ def conv_curves(rates: dict) -> tuple[float, list, list]:
     return float(rates[CONV_REFERENCE]), reduction, rows
 
 
+def _network_times(min_of: list | None = None, reps: int = 10) -> list:
+    """Best seconds of the runtime's collectives over all ranks, ``NETWORK`` in order, each the
+    smaller of this round's and ``min_of``'s (an earlier round's). ``measure`` takes three rounds
+    spread over the calibration: a 16 MB all-reduce taken during one neighbour's burst read a sixth
+    of the quiet bandwidth in session 17, and its fit then misplaced every other figure."""
+    small, large = torch.zeros(256), torch.zeros(4 * 1024 * 1024)
+    times = [best_time(lambda: dist.all_reduce(small), reps), best_time(lambda: dist.all_reduce(large), reps),
+             # small messages are cheap to repeat and their latency is noisy on shared machines: 4x the reps
+             _dtensor_all_reduce(small, 4 * reps), _dtensor_all_reduce(large, reps),
+             _dtensor_all_gather(small.numel(), 4 * reps), _dtensor_all_gather(large.numel(), reps)]
+    return times if min_of is None else [min(a, b) for a, b in zip(times, min_of)]
+
+
+NETWORK = ("process_group_all_reduce_1KB", "process_group_all_reduce_16MB", "dtensor_all_reduce_1KB",
+           "dtensor_all_reduce_16MB", "dtensor_all_gather_1KB", "dtensor_all_gather_16MB")
+"""The collectives ``_network_times`` measures (1 KB and 16 MB, fp32)."""
+
+
+def _network_fit(times: list, p: int) -> tuple[float, float, float, float]:
+    """(alpha, beta, gather alpha, gather beta) from ``_network_times``: the all-reduce fitted to
+    ``2 (p-1) alpha + 2 (p-1)/p n / beta`` (alpha from 1 KB, beta from 16 MB), the all-gather, for the
+    one-way collectives and the moves on edges, to ``(p-1) alpha_g + (p-1)/p n / beta_g``."""
+    if p < 2:
+        return 0.0, float("inf"), 0.0, float("inf")
+    _, _, t_small, t_large, g_small, g_large = times
+    nbytes = 4 * 1024 * 1024 * 4
+    alpha = t_small / (2.0 * (p - 1))
+    beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
+    gather_alpha = g_small / (p - 1)
+    gather_beta = (p - 1) / p * nbytes / max(g_large - (p - 1) * gather_alpha, 1e-9)
+    return alpha, beta, gather_alpha, gather_beta
+
+
 def measure(reps: int = 10, n: int = 512) -> dict:
     p = dist.get_world_size()
+    net = _network_times(reps=reps) if p > 1 else None
     a, b = torch.randn(n, n), torch.randn(n, n)
     t_mm = local_time(lambda: torch.mm(a, b), reps)
     flops = 2.0 * n ** 3 / t_mm
@@ -300,25 +343,8 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     dst = torch.empty_like(big)
     t_copy = local_time(lambda: dst.copy_(big), reps)
     mem_bw = 2.0 * big.numel() * 4 / t_copy
-    small, large = torch.zeros(256), torch.zeros(4 * 1024 * 1024)
-    raw_small = best_time(lambda: dist.all_reduce(small), reps)
-    raw_large = best_time(lambda: dist.all_reduce(large), reps)
-    # small messages are cheap to repeat and their latency is noisy on shared machines: 4x the reps
-    t_small, t_large = _dtensor_all_reduce(small, 4 * reps), _dtensor_all_reduce(large, reps)
+    net = _network_times(min_of=net, reps=reps) if p > 1 else None
     redistribute = _redistribute_overhead(4 * reps) if p > 1 else 0.0
-    if p > 1:
-        alpha = t_small / (2.0 * (p - 1))
-        nbytes = large.numel() * 4
-        beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
-        # the one-way collectives (and the moves on edges) as the runtime issues them: an all-gather
-        # of 1 KB and of 16 MB, fitted to (p-1) alpha_g + (p-1)/p n / beta_g
-        g_small, g_large = _dtensor_all_gather(small.numel(), 4 * reps), _dtensor_all_gather(large.numel(), reps)
-        gather_alpha = g_small / (p - 1)
-        gather_beta = (p - 1) / p * nbytes / max(g_large - (p - 1) * gather_alpha, 1e-9)
-    else:
-        alpha, beta = 0.0, float("inf")
-        g_small = g_large = gather_alpha = 0.0
-        gather_beta = float("inf")
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor([flops, mem_bw, pool_bw] + [skinny[m] for m in SKINNY]
                          + [conv_rates[c] for c in CONV_SHAPES])
@@ -336,7 +362,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
 
     def modelled(e, elementwise=None):
         return [tables.cost_of(choice) for tables, choice in
-                (probe_tables(g, p, False, flops, mem_bw, e, gemm, elementwise_bandwidth=elementwise)
+                (probe_tables(g, p, "replicated", flops, mem_bw, e, gemm, elementwise_bandwidth=elementwise)
                  for _, g, _ in probes)]
 
     # the joint fit of efficiency and dispatch at the copy bandwidth, kept in the file's comments: it
@@ -344,16 +370,18 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     joint_efficiency, joint_overhead = fit_efficiency([(s, u) for s, _, u in probes], modelled)
     # the compute probe's kernels under the profiler (the slowest rank's): its memory-bound kernels
     # give the in-step bandwidth, its products the efficiency; only the dispatch cost is fitted
-    kernels = torch.tensor(probe_kernel_seconds(compute_step))
+    kernels = torch.tensor(probe_kernel_seconds(compute_step, rounds=6))
     dist.all_reduce(kernels, op=dist.ReduceOp.MAX)
     gemm_seconds, memory_seconds = float(kernels[0]), float(kernels[1])
+    net = _network_times(min_of=net, reps=reps) if p > 1 else None
+    alpha, beta, gather_alpha, gather_beta = _network_fit(net, p)
     elementwise = step_bandwidth(memory_seconds, lambda b: modelled(1.0, b)[1], mem_bw)
     efficiency = product_efficiency(gemm_seconds, lambda e: modelled(e, elementwise)[1])
     _, overhead = fit_efficiency([(s, u) for s, _, u in probes], lambda e: modelled(e, elementwise),
                                  grid=[efficiency])
     calls = sum(op.attr("dispatches", 0) for op in probes[0][1].ops)
     probe_seconds = [s for s, _, _ in probes]
-    split_overhead = (dispatch_overhead(p, reps, flops, mem_bw, PROBE, sharded=True, latency=alpha,
+    split_overhead = (dispatch_overhead(p, reps, flops, mem_bw, PROBE, "data_parallel", latency=alpha,
                                          bandwidth=beta, gemm=gemm, efficiency=efficiency,
                                          elementwise_bandwidth=elementwise) if p > 1 else overhead)
     tiny_overhead = dispatch_overhead(p, reps)
@@ -364,7 +392,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     stretch = _sync_stretch(reps) if p > 1 else 0.0
     jitter, jitter_points = _sync_jitter() if p > 1 else (0.0, [])
     curve = [list(q) for q in gemm]
-    return {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
+    m = {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             # the model prices a convolution at peak x efficiency x conv_efficiency: the reference's
             # measured rate, which convolutions keep inside a training step (GEMMs do not: efficiency)
             "conv_flops": conv_flops, "conv_efficiency": conv_flops / (flops * efficiency),
@@ -383,10 +411,21 @@ def measure(reps: int = 10, n: int = 512) -> dict:
             # the probes run on a CPU mesh, where DTensor does an all-to-all as a gather and a cut
             "all_to_all_by_gather": True,
             "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
-            "seconds": {"mm": t_mm, "copy": t_copy, "dtensor_all_reduce_1KB": t_small,
-                        "dtensor_all_reduce_16MB": t_large, "dtensor_all_gather_1KB": g_small,
-                        "dtensor_all_gather_16MB": g_large, "process_group_all_reduce_1KB": raw_small,
-                        "process_group_all_reduce_16MB": raw_large}}
+            "seconds": {"mm": t_mm, "copy": t_copy, **dict(zip(NETWORK, net or ()))}}
+    if p > 1:
+        # the waits at sync points, fitted to a tensor-parallel probe's step at every other rate
+        # calibrated above: the synthetic rounds' figure (kept in the comments) waits for a peer in
+        # lock-step microbenchmarks only, and priced Megatron's plans 10-20% fast in session 17
+        tp_step, tp_graph, _ = build_probe(p, COMPUTE_PROBE, "tensor_parallel")
+        tp_seconds = torch.tensor([local_time(tp_step, reps, inner=2)])
+        dist.all_reduce(tp_seconds, op=dist.ReduceOp.MAX)
+        from shardplan.cluster.presets import cluster_from_dict
+
+        cluster = cluster_from_dict(to_cluster(m, 1e12))
+        m["sync_jitter_microbenchmark"] = jitter
+        m["tensor_parallel_probe_step_seconds"] = float(tp_seconds)
+        m["sync_jitter"] = fit_sync_jitter(float(tp_seconds), tp_graph, cluster, p, tensor_parallel)
+    return m
 
 
 def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:

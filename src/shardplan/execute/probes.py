@@ -63,15 +63,15 @@ COMPUTE_PROBE = dict(batch=8, seq=64, hidden_size=192, intermediate_size=768, nu
 efficiency as well as the dispatch cost (``fit_efficiency``)."""
 
 
-def probe_step(p: int, reps: int, probe: dict | None = None, sharded: bool = False):
+def probe_step(p: int, reps: int, probe: dict | None = None, layout: str = "replicated"):
     """(best seconds of one training step, captured graph, dispatch units) of ``build_probe``'s step."""
-    step, graph, units = build_probe(p, probe, sharded)
+    step, graph, units = build_probe(p, probe, layout)
     return local_time(step, reps, inner=2), graph, units
 
 
-def build_probe(p: int, probe: dict | None = None, sharded: bool = False):
+def build_probe(p: int, probe: dict | None = None, layout: str = "replicated"):
     """(one training step, captured graph, dispatch units) of a Llama applied on the mesh of all
-    ranks as ``shardplan run`` applies plans: replicated, or data parallel when ``sharded``; the step
+    ranks as ``shardplan run`` applies plans, in ``layout`` (see ``LAYOUTS``); the step
     is forward, backward, the bucketed gradient reduction and the SGD update ``shardplan run`` takes.
     Dispatch units: 3 x its exported aten calls plus one per parameter update (the cost model charges
     each captured op ``3 x dispatches x op_overhead`` and each distinct parameter's update one
@@ -88,7 +88,7 @@ def build_probe(p: int, probe: dict | None = None, sharded: bool = False):
     module, kwargs = build("llama", **size)
     module.eval()
     graph = capture(module, (), kwargs, name="llama")
-    tables, choice = probe_tables(graph, p, sharded)
+    tables, choice = probe_tables(graph, p, layout)
     pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))
     calls = sum(op.attr("dispatches", 0) for op in graph.ops)
     updates = len({o.tensor for op in graph.ops for o in op.inputs if graph.tensor(o.tensor).is_param})
@@ -117,9 +117,9 @@ def sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
     Python dispatch of a Llama step's 1060 calls at equal shapes). ``split_op_overhead`` is
     ``op_overhead`` times this ratio."""
     runs = []
-    for sharded in (False, True):
-        step, graph, units = build_probe(p, PROBE, sharded)
-        tables, choice = probe_tables(graph, p, sharded, **rates)
+    for layout in ("replicated", "data_parallel"):
+        step, graph, units = build_probe(p, PROBE, layout)
+        tables, choice = probe_tables(graph, p, layout, **rates)
         step()
         runs.append((step, tables.cost_of(choice), units))
     ratios = []
@@ -139,34 +139,42 @@ def sharded_dispatch_ratio(p: int, reps: int, **rates) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
-def probe_tables(graph, p: int, sharded: bool, peak_flops: float = 1e18, memory_bandwidth: float = 1e18,
+LAYOUTS = ("replicated", "data_parallel", "tensor_parallel")
+"""The plans a probe runs: every op replicated, data parallel, or Megatron's tensor parallelism
+(``execute.plans.tensor_parallel``)."""
+
+
+def probe_tables(graph, p: int, layout: str, peak_flops: float = 1e18, memory_bandwidth: float = 1e18,
                   efficiency: float = 1.0, gemm: tuple = (), latency: float = 1e-6, bandwidth: float = 1e9,
                   elementwise_bandwidth: float | None = None):
     """Cost tables of a probe at the given rates with no dispatch cost (``op_overhead`` 0), and the
-    probe's plan: replicated, or data parallel when ``sharded``."""
+    probe's plan in ``layout`` (one of ``LAYOUTS``)."""
     from shardplan.cluster.model import Cluster, Device, Level
     from shardplan.cost.analytic import AnalyticCostModel
     from shardplan.cost.tables import build_tables
     from shardplan.execute.launch import RUN_OPTIMIZER
-    from shardplan.execute.plans import replicated
+    from shardplan.execute.plans import replicated, tensor_parallel
     from shardplan.search.baselines import data_parallel
 
     rates = Device("measured", peak_flops, 1e12, memory_bandwidth, efficiency=efficiency, gemm_efficiency=gemm,
                    elementwise_bandwidth=elementwise_bandwidth)
     cluster = Cluster("measured", rates, (Level("pg", p, bandwidth, latency),))
     tables = build_tables(graph, AnalyticCostModel(cluster, optimizer=RUN_OPTIMIZER), p)
-    return tables, list(data_parallel(tables)) if sharded else replicated(tables)
+    plans = {"replicated": replicated, "data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
+    if layout not in plans:
+        raise ValueError(f"probe layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    return tables, list(plans[layout](tables))
 
 
 def dispatch_overhead(p: int, reps: int, peak_flops: float | None = None, memory_bandwidth: float | None = None,
-                       probe: dict | None = None, sharded: bool = False, latency: float = 1e-6,
+                       probe: dict | None = None, layout: str = "replicated", latency: float = 1e-6,
                        bandwidth: float = 1e9, gemm: tuple = (), efficiency: float = 1.0,
                        elementwise_bandwidth: float | None = None) -> float:
     """Seconds per dispatch unit of a probe (``probe_step``): its step less what the cost model
-    charges for its arithmetic, memory traffic and (``sharded``) gradient all-reduces at the measured
+    charges for its arithmetic, memory traffic and collectives (none replicated) at the measured
     rates (none when they are not given), over its dispatch units."""
-    seconds, graph, units = probe_step(p, reps, probe, sharded)
-    tables, choice = probe_tables(graph, p, sharded, peak_flops or 1e18, memory_bandwidth or 1e18, efficiency,
+    seconds, graph, units = probe_step(p, reps, probe, layout)
+    tables, choice = probe_tables(graph, p, layout, peak_flops or 1e18, memory_bandwidth or 1e18, efficiency,
                                    gemm, latency, bandwidth, elementwise_bandwidth)
     return max(seconds - tables.cost_of(choice), 0.0) / units
 
@@ -256,3 +264,28 @@ def fit_efficiency(probes, modelled, grid=None) -> tuple[float, float]:
         if err < best[0] - 1e-15:
             best = (err, float(e), o)
     return best[1], best[2]
+
+
+def fit_sync_jitter(seconds: float, graph, cluster, p: int, choose) -> float:
+    """The ``Device.sync_jitter`` (s^0.5) at which ``cost.step.step_seconds`` prices a probe's plan at
+    its measured step (``seconds``): the step is its cost tables' price without the per-op sync
+    stretch plus ``sync_jitter x W``, ``W`` the walk's sum of ``sqrt(compute since the last sync
+    point)`` over the plan's sync points (``cost.step.sync_waits`` at a jitter of 1), so
+    ``sync_jitter = (seconds - base) / W``, at least 0. ``cluster``: every other rate calibrated;
+    ``choose(tables)``: the probe's plan. Fitted on a tensor-parallel probe, whose collectives sit on
+    the critical path as most plans' do, it replaces the synthetic rounds' figure (``_sync_jitter``
+    in ``execute.calibrate``), which waits for a peer in lock-step microbenchmarks only."""
+    from dataclasses import replace
+
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.step import sync_waits
+    from shardplan.cost.tables import build_tables
+    from shardplan.execute.launch import RUN_OPTIMIZER
+
+    unit = replace(cluster, device=replace(cluster.device, sync_jitter=1.0))
+    model = AnalyticCostModel(unit, optimizer=RUN_OPTIMIZER)
+    tables = build_tables(graph, model, p)
+    choice = list(choose(tables))
+    waits, stretch = sync_waits(model, tables, choice)
+    base = tables.cost_of(choice) - stretch
+    return max((seconds - base) / waits, 0.0) if waits > 0 else 0.0
