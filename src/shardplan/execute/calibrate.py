@@ -321,44 +321,54 @@ def _network_fit(times: list, p: int) -> tuple[float, float, float, float]:
     return alpha, beta, gather_alpha, gather_beta
 
 
-def measure(reps: int = 10, n: int = 512) -> dict:
-    p = dist.get_world_size()
-    net = _network_times(reps=reps) if p > 1 else None
+def _compute_rates(reps: int, n: int, min_of: list | None = None) -> list:
+    """This rank's rates of the compute microbenchmarks, each the better of this round's and
+    ``min_of``'s (an earlier round's): [n-cubed matmul FLOP/s, copy bytes/s (read + write of 32 MB),
+    2x2 max pool input bytes/s, then each ``SKINNY`` product's FLOP/s, then each ``CONV_SHAPES``
+    convolution's]. ``measure`` takes two rounds, at the start and after the probes: a convolution
+    timed during one neighbour's burst read 60% of its quiet rate in session 17, and the CNN's
+    predictions with it."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    t_mm = local_time(lambda: torch.mm(a, b), reps)
-    flops = 2.0 * n ** 3 / t_mm
-    skinny = {}
-    w = torch.randn(1024, 1024)
-    for m in SKINNY:
-        x = torch.randn(m, 1024)
-        skinny[m] = 2.0 * m * 1024 * 1024 / local_time(lambda: torch.mm(x, w), reps) / flops
-    conv_rates = {shape: _conv_rate(*shape, reps) for shape in CONV_SHAPES}
+    rates = [2.0 * n ** 3 / local_time(lambda: torch.mm(a, b), reps)]
+    big = torch.empty(8 * 1024 * 1024)  # 32 MB of fp32
+    dst = torch.empty_like(big)
+    rates.append(2.0 * big.numel() * 4 / local_time(lambda: dst.copy_(big), reps))
     pool_in = torch.randn(8, 64, 32, 32, requires_grad=True)  # 2 MB: a CNN's pooled activation
 
     def pool_step():
         torch.nn.functional.max_pool2d(pool_in, 2).sum().backward()
 
-    pool_bw = pool_in.numel() * 4 / local_time(pool_step, reps)
-    big = torch.empty(8 * 1024 * 1024)  # 32 MB of fp32
-    dst = torch.empty_like(big)
-    t_copy = local_time(lambda: dst.copy_(big), reps)
-    mem_bw = 2.0 * big.numel() * 4 / t_copy
+    rates.append(pool_in.numel() * 4 / local_time(pool_step, reps))
+    w = torch.randn(1024, 1024)
+    for m in SKINNY:
+        x = torch.randn(m, 1024)
+        rates.append(2.0 * m * 1024 * 1024 / local_time(lambda: torch.mm(x, w), reps))
+    rates += [_conv_rate(*shape, reps) for shape in CONV_SHAPES]
+    return rates if min_of is None else [max(r, q) for r, q in zip(rates, min_of)]
+
+
+def measure(reps: int = 10, n: int = 512) -> dict:
+    p = dist.get_world_size()
+    net = _network_times(reps=reps) if p > 1 else None
+    local_rates = _compute_rates(reps, n)
     net = _network_times(min_of=net, reps=reps) if p > 1 else None
     redistribute = _redistribute_overhead(4 * reps) if p > 1 else 0.0
-    # the slowest rank decides a step: take the minimum rate over ranks
-    rates = torch.tensor([flops, mem_bw, pool_bw] + [skinny[m] for m in SKINNY]
-                         + [conv_rates[c] for c in CONV_SHAPES])
-    dist.all_reduce(rates, op=dist.ReduceOp.MIN)
-    flops, mem_bw, pool_bw = float(rates[0]), float(rates[1]), float(rates[2])
-    gemm = _curve(rates[3:3 + len(SKINNY)].tolist(), n)
-    conv_rates = dict(zip(CONV_SHAPES, rates[3 + len(SKINNY):].tolist()))
-    conv_flops, reduction_curve, rows_curve = conv_curves(conv_rates)
     probes = []
     for size in (PROBE, COMPUTE_PROBE):  # each probe's step on the slowest rank
         compute_step, graph, units = build_probe(p, size)  # the last one's step is profiled below
         slowest = torch.tensor([local_time(compute_step, reps, inner=2)])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         probes.append((float(slowest), graph, units))
+    net = _network_times(min_of=net, reps=reps) if p > 1 else None
+    alpha, beta, gather_alpha, gather_beta = _network_fit(net, p)
+    # the slowest rank decides a step: take the minimum rate over ranks
+    rates = torch.tensor(_compute_rates(reps, n, min_of=local_rates))
+    dist.all_reduce(rates, op=dist.ReduceOp.MIN)
+    flops, mem_bw, pool_bw = float(rates[0]), float(rates[1]), float(rates[2])
+    t_mm, t_copy = 2.0 * n ** 3 / flops, 2.0 * 32 * 1024 * 1024 / mem_bw
+    gemm = _curve((rates[3:3 + len(SKINNY)] / flops).tolist(), n)
+    conv_rates = dict(zip(CONV_SHAPES, rates[3 + len(SKINNY):].tolist()))
+    conv_flops, reduction_curve, rows_curve = conv_curves(conv_rates)
 
     def modelled(e, elementwise=None):
         return [tables.cost_of(choice) for tables, choice in
@@ -373,8 +383,6 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     kernels = torch.tensor(probe_kernel_seconds(compute_step, rounds=6))
     dist.all_reduce(kernels, op=dist.ReduceOp.MAX)
     gemm_seconds, memory_seconds = float(kernels[0]), float(kernels[1])
-    net = _network_times(min_of=net, reps=reps) if p > 1 else None
-    alpha, beta, gather_alpha, gather_beta = _network_fit(net, p)
     elementwise = step_bandwidth(memory_seconds, lambda b: modelled(1.0, b)[1], mem_bw)
     efficiency = product_efficiency(gemm_seconds, lambda e: modelled(e, elementwise)[1])
     _, overhead = fit_efficiency([(s, u) for s, _, u in probes], lambda e: modelled(e, elementwise),
