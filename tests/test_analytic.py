@@ -371,9 +371,9 @@ def test_op_overhead_is_charged_per_pass():
             assert np.allclose(n1.compute - n0.compute, extra), op.name
 
 
-def test_folded_cheap_ops_are_priced_by_hand():
-    """An fc with 5 folded ops writing 8 MB in all: 6 x 8 MB of traffic shared by its P devices plus
-    2 x 5 dispatches, on top of the same op without them."""
+def fc_with_folded(extra=(("folded_bytes", 8e6), ("folded_ops", 5))):
+    """(a 64 x 1024 -> 1024 fc, the same fc carrying the attributes ``extra``: by default 5 folded
+    cheap ops writing 8 MB in all)."""
     import dataclasses
 
     from shardplan.ir.graph import Graph
@@ -383,8 +383,15 @@ def test_folded_cheap_ops_are_priced_by_hand():
     b.linear(x, 1024, name="fc")
     plain = b.build()
     op = plain.ops[0]
-    folded = Graph("folded", (dataclasses.replace(op, attrs=op.attrs + (("folded_bytes", 8e6), ("folded_ops", 5))),),
-                   plain.tensors)
+    return plain, Graph(plain.name, (dataclasses.replace(op, attrs=op.attrs + tuple(extra)),), plain.tensors)
+
+
+def test_folded_cheap_ops_are_priced_by_hand():
+    """An fc with 5 folded ops writing 8 MB in all: 6 x 8 MB of traffic shared by its P devices plus
+    2 x 5 dispatches, on top of the same op without them."""
+    import dataclasses
+
+    plain, folded = fc_with_folded()
     cluster = get_cluster("dgx-a100", devices=8)
     cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, op_overhead=1e-4))
     t0 = build_tables(plain, AnalyticCostModel(cluster), 8)
@@ -403,19 +410,13 @@ def test_folded_ops_the_loss_and_the_update_take_the_elementwise_bandwidth():
     from shardplan.cluster.model import ClusterError
     from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
     from shardplan.cost.analytic import update_seconds
-    from shardplan.ir.graph import Graph
 
-    b = GraphBuilder("folded")
-    x = b.input("x", (64, 1024), ("batch", "features"))
-    b.linear(x, 1024, name="fc")
-    plain = b.build()
-    op = plain.ops[0]
-    folded = Graph("folded", (dataclasses.replace(op, attrs=op.attrs + (("folded_bytes", 8e6), ("folded_ops", 5))),),
-                   plain.tensors)
+    plain, folded = fc_with_folded()
     c = get_cluster("dgx-a100", devices=8)
     bw = c.device.memory_bandwidth
     slow = dataclasses.replace(c, device=dataclasses.replace(c.device, elementwise_bandwidth=bw / 3))
     assert c.device.kernel_bandwidth == bw and slow.device.kernel_bandwidth == bw / 3
+
     def compute(graph, cluster):
         return build_tables(graph, AnalyticCostModel(cluster), 8).nodes[0].compute
 
@@ -435,15 +436,7 @@ def test_captured_dispatches_replace_the_per_pass_overhead():
     backward), and its folded ops no longer pay dispatches of their own."""
     import dataclasses
 
-    from shardplan.ir.graph import Graph
-
-    b = GraphBuilder("dispatch")
-    x = b.input("x", (64, 1024), ("batch", "features"))
-    b.linear(x, 1024, name="fc")
-    plain = b.build()
-    op = plain.ops[0]
-    extra = (("dispatches", 7), ("folded_bytes", 8e6), ("folded_ops", 5))
-    captured = Graph("dispatch", (dataclasses.replace(op, attrs=op.attrs + extra),), plain.tensors)
+    plain, captured = fc_with_folded((("dispatches", 7), ("folded_bytes", 8e6), ("folded_ops", 5)))
     cluster = get_cluster("dgx-a100", devices=8)
     cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, op_overhead=1e-4))
     t0 = build_tables(plain, AnalyticCostModel(cluster), 8)

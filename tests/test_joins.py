@@ -16,8 +16,6 @@ pytest.importorskip("transformers")
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
-from shardplan.capture import capture  # noqa: E402
-from shardplan.capture.models import build  # noqa: E402
 from shardplan.cluster import get_cluster  # noqa: E402
 from shardplan.cost.analytic import AnalyticCostModel  # noqa: E402
 from shardplan.cost.tables import build_tables  # noqa: E402
@@ -27,6 +25,7 @@ from shardplan.execute.joins import input_placements  # noqa: E402
 from shardplan.execute.threaded import run_threaded  # noqa: E402
 from shardplan.plan import Plan  # noqa: E402
 from shardplan.search.baselines import data_parallel  # noqa: E402
+from test_apply import reference  # noqa: E402  (tests/ is on the path: pytest's default import mode)
 
 
 def test_input_placements_by_hand():
@@ -39,19 +38,6 @@ def test_input_placements_by_hand():
     assert input_placements((8, 1, 6), (8, 4, 6), (Shard(1), Shard(0))) == [Replicate(), Shard(0)]
     assert input_placements((4, 1), (8, 4, 6), out) == [Replicate(), Replicate()]
     assert input_placements((8, 4, 6), (8, 4, 6), (Replicate(),)) == [Replicate()]
-
-
-def _reference(name):
-    torch.manual_seed(0)
-    module, kwargs = build(name)
-    module.eval()
-    graph = capture(module, (), kwargs, name=name)
-    out = module(**kwargs)
-    loss = getattr(out, "logits", out).float().pow(2).mean()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-    module.zero_grad(set_to_none=True)
-    return module, kwargs, graph, loss.item(), grads
 
 
 def _run(module, kwargs, graph, plan, devices, monkeypatch):
@@ -103,7 +89,7 @@ def test_a_skip_connection_runs_split_as_planned(monkeypatch):
     """The CNN's skip connection (``relu(conv3(x)) + x``), planned split by width while every other
     op is data parallel: it runs width-split (DTensor's propagation ran it split by batch, its
     inputs' layout), and the step equals single device."""
-    module, kwargs, graph, loss, ref = _reference("torch_cnn")
+    module, kwargs, graph, loss, ref = reference("torch_cnn")
     tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=2)), 2)
     choice = _with_split(tables, graph, data_parallel(tables), "add", {"width": 2})
     results, seen = _run(module, kwargs, graph, Plan.from_choice(tables, choice), 2, monkeypatch)
@@ -118,7 +104,7 @@ def test_every_join_of_a_transformer_is_found_at_run_time(name, monkeypatch):
     """Data parallel but every join (residual adds, SwiGLU's product, BERT's embedding sums) planned
     replicated: each runs replicated, one per join op of the graph is found, and the step equals
     single device."""
-    module, kwargs, graph, loss, ref = _reference(name)
+    module, kwargs, graph, loss, ref = reference(name)
     tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=2)), 2)
     joins = [op for op in graph.ops if op.kind == "elementwise"
              and len({o.tensor for o in op.inputs if not graph.tensor(o.tensor).is_param}) > 1]

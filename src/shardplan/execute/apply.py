@@ -9,9 +9,11 @@ For a mesh of the plan's shape (``Plan.mesh_view``: every op's split dims get me
   redistribute its input to the layout its op reads and its output to the layout its op writes, so
   partial sums are reduced where the plan reduces them and activations move only where consecutive
   ops disagree;
-* the **model inputs** are sharded as the first op that reads them wants; everything between heavy
-  modules (norms, softmax, residual adds) follows DTensor's own sharding propagation, and plain
-  tensors made inside the model (masks, positions) count as replicated; attention's batched matmuls
+* the **model inputs** are sharded as the first op that reads them wants; the ops that join two
+  activations (residual adds, SwiGLU's product) run in the layout the plan gives them
+  (``execute.joins``); the rest between heavy modules (norms, softmax, activations, views) follows
+  DTensor's own sharding propagation, and plain tensors made inside the model (masks, positions)
+  count as replicated; attention's batched matmuls
   run as one product of each rank's blocks (``execute.matmul``), since DTensor's own rule views the
   split batch and heads as one strided dim, which on three mesh axes takes it minutes to plan;
 * a linear or convolution whose split DTensor's own rules refuse on a mesh of two or more axes (a

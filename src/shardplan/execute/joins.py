@@ -45,19 +45,13 @@ def tag(value, name: str) -> None:
 
 
 def _sources(args, kwargs) -> set:
+    """The graph tensors the tensor arguments come from (one level into lists: ``torch.cat``)."""
     found = set()
-    for group in (args, kwargs.values()):
-        for a in group:
-            if isinstance(a, torch.Tensor):
-                s = getattr(a, SOURCE, None)
-                if s is not None:
-                    found.add(s)
-            elif isinstance(a, (tuple, list)):  # torch.cat, torch.stack
-                for b in a:
-                    if isinstance(b, torch.Tensor):
-                        s = getattr(b, SOURCE, None)
-                        if s is not None:
-                            found.add(s)
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (tuple, list)) else (a,)):
+            source = getattr(t, SOURCE, None) if isinstance(t, torch.Tensor) else None
+            if source is not None:
+                found.add(source)
     return found
 
 
