@@ -429,6 +429,11 @@ def test_folded_ops_the_loss_and_the_update_take_the_elementwise_bandwidth():
     assert "elementwise_bandwidth" not in cluster_to_dict(c)["device"]
     with pytest.raises(ClusterError, match="elementwise_bandwidth"):
         dataclasses.replace(c.device, elementwise_bandwidth=0.0)
+    # the jitter's horizon, likewise
+    capped = dataclasses.replace(c, device=dataclasses.replace(c.device, sync_jitter=0.01, sync_jitter_horizon=0.016))
+    assert cluster_from_dict(cluster_to_dict(capped)).device.sync_jitter_horizon == 0.016
+    with pytest.raises(ClusterError, match="sync_jitter_horizon"):
+        dataclasses.replace(c.device, sync_jitter_horizon=-1.0)
 
 
 def test_captured_dispatches_replace_the_per_pass_overhead():

@@ -1,6 +1,7 @@
 """``shardplan run``: one real torchrun launch (gloo, 2 ranks) and the refusals made before any launch."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -191,6 +192,25 @@ def test_fit_sync_jitter_recovers_the_jitter_a_step_was_priced_at():
     other = dataclasses.replace(priced, device=dataclasses.replace(priced.device, sync_jitter=0.5))
     assert fit_sync_jitter(seconds, graph, other, 4, tensor_parallel) == pytest.approx(0.013, rel=1e-9)
     assert fit_sync_jitter(seconds / 10, graph, other, 4, tensor_parallel) == 0.0
+
+
+def test_jitter_law_finds_the_horizon_the_waits_stop_growing_at():
+    """Waits of 0.01 sqrt(T) up to 16 ms and flat beyond fit a horizon of 16 ms; waits that keep
+    growing as the square root fit none; the horizon caps the walk's waits (``jitter_waits``)."""
+    from shardplan.cost.step import jitter_waits
+    from shardplan.execute.probes import jitter_law
+
+    ts = (1e-3, 4e-3, 16e-3, 64e-3)
+    capped = [(t, 0.01 * math.sqrt(min(t, 16e-3))) for t in ts]
+    j, horizon = jitter_law(capped)
+    assert j == pytest.approx(0.01) and horizon == 16e-3
+    j, horizon = jitter_law([(t, 0.01 * math.sqrt(t)) for t in ts])
+    assert j == pytest.approx(0.01) and horizon is None
+    # one op of 100 ms forward and 100 ms backward, no collective: only the end of the step waits
+    args = dict(fwd=[0.1], bwd=[0.1], fwd_sync=[False], bwd_sync=[False], moved=[False], reduces=False,
+                after_backward=0.0)
+    assert jitter_waits(0.01, **args)[("end", -1)] == pytest.approx(0.01 * math.sqrt(0.2))
+    assert jitter_waits(0.01, **args, horizon=0.016)[("end", -1)] == pytest.approx(0.01 * math.sqrt(0.016))
 
 
 def test_conv_curves_by_hand():

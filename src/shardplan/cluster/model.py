@@ -94,6 +94,12 @@ class Device:
     ``0.019 sqrt(T)``): a square-root law, not a fixed fraction. A plan-level term
     (``cost.step.step_seconds``: it depends on where the plan's sync points fall, so it has no
     per-op share); 0 for the datasheet presets, measured by ``shardplan calibrate``."""
+    sync_jitter_horizon: float | None = None
+    """Seconds of compute after which the wait at a sync point stops growing: the wait is
+    ``sync_jitter x sqrt(min(T, sync_jitter_horizon))``. None = no horizon (the square root holds for
+    any ``T``). Measured by ``shardplan calibrate``: on this 2-core VM rounds of 16, 64 and 128 ms
+    of compute before an all-reduce waited 1.3-1.8, 1.3-2.2 and 2.3-2.8 ms, where the square root of
+    the short rounds' law says 2.6-3.6 and 3.7-5.1 ms for the long ones."""
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
     """A matrix product's FLOP rate over the large matmul's, by the product's smallest local dimension:
     ``((m_1, e_1), (m_2, e_2), ...)`` with rising ``m``; between points the rate is interpolated in
@@ -142,6 +148,11 @@ class Device:
         if not isinstance(self.sync_jitter, (int, float)) or isinstance(self.sync_jitter, bool) \
                 or self.sync_jitter < 0:
             raise ClusterError(f"device.sync_jitter must be a non-negative number, got {self.sync_jitter!r}")
+        if self.sync_jitter_horizon is not None and (not isinstance(self.sync_jitter_horizon, (int, float))
+                                                     or isinstance(self.sync_jitter_horizon, bool)
+                                                     or not self.sync_jitter_horizon > 0):
+            raise ClusterError(f"device.sync_jitter_horizon must be a positive number, got "
+                               f"{self.sync_jitter_horizon!r}")
         if self.split_op_overhead is not None and (not isinstance(self.split_op_overhead, (int, float))
                                                    or self.split_op_overhead < 0):
             raise ClusterError(f"device.split_op_overhead must be a non-negative number, got "

@@ -78,7 +78,7 @@ def get_cluster(name_or_path: str, nodes: int | None = None, devices: int | None
 _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memory_bandwidth": float,
                   "efficiency": float, "op_overhead": float, "conv_efficiency": float, "gemm_efficiency": list,
                   "conv_reduction_efficiency": list, "conv_rows_efficiency": list,
-                  "split_op_overhead": float, "sync_stretch": float, "sync_jitter": float,
+                  "split_op_overhead": float, "sync_stretch": float, "sync_jitter": float, "sync_jitter_horizon": float,
                   "pool_bandwidth": float, "elementwise_bandwidth": float, "redistribute_overhead": float,
                   "all_to_all_by_gather": bool}
 _LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float, "gather_bandwidth": float,
@@ -188,6 +188,7 @@ def cluster_to_dict(cluster: Cluster) -> dict:
                        **({"split_op_overhead": d.split_op_overhead} if d.split_op_overhead is not None else {}),
                        **({"sync_stretch": d.sync_stretch} if d.sync_stretch else {}),
                        **({"sync_jitter": d.sync_jitter} if d.sync_jitter else {}),
+                       **({"sync_jitter_horizon": d.sync_jitter_horizon} if d.sync_jitter_horizon else {}),
                        **({"pool_bandwidth": d.pool_bandwidth} if d.pool_bandwidth is not None else {}),
                        **({"elementwise_bandwidth": d.elementwise_bandwidth}
                           if d.elementwise_bandwidth is not None else {}),

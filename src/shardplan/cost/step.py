@@ -17,11 +17,12 @@ from shardplan.cost.analytic import PER_ITERATION, AnalyticCostModel
 
 
 def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bool,
-                 after_backward: float) -> dict[tuple[str, int], float]:
+                 after_backward: float, horizon: float | None = None) -> dict[tuple[str, int], float]:
     """Seconds waited at each sync point of one training step, in program order (see ``sync_waits``):
     ``{("before fwd", i): s, ("after fwd", i): s, ("after bwd", i): s, ("inputs bwd", i): s,
     ("reduce", -1): s, ("end", -1): s}``, each ``jitter x sqrt(compute since the previous sync
-    point)``. Per op ``i``: ``fwd[i]`` and ``bwd[i]`` its compute in each pass (seconds, no stretch),
+    point)``, the compute counted up to ``horizon`` seconds (``Device.sync_jitter_horizon``; None: all
+    of it). Per op ``i``: ``fwd[i]`` and ``bwd[i]`` its compute in each pass (seconds, no stretch),
     ``fwd_sync[i]`` / ``bwd_sync[i]`` whether a critical collective ends that pass, ``moved[i]``
     whether a redistribution feeds it; ``reduces``: a bucketed weight-gradient reduction follows the
     backward pass; ``after_backward``: the bucket copies and updates before the step's end. The cost
@@ -31,7 +32,7 @@ def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bo
 
     def sync(key: tuple[str, int]) -> None:
         nonlocal since
-        waits[key] = jitter * math.sqrt(since)
+        waits[key] = jitter * math.sqrt(since if horizon is None else min(since, horizon))
         since = 0.0
 
     for i in range(len(fwd)):
@@ -96,6 +97,7 @@ class StepObjective:
         graph = tables.graph
         self.tables = tables
         self.jitter = model.cluster.device.sync_jitter if tables.devices > 1 else 0.0
+        self.horizon = model.cluster.device.sync_jitter_horizon
         rows = rows if rows is not None else [np.arange(len(c)) for c in tables.configs]
         self.rows = rows
         parts = {k: [] for k in ("fwd", "bwd", "fwd_sync", "bwd_sync", "stretch", "reduces", "after")}
@@ -134,7 +136,8 @@ class StepObjective:
             bwd_sync=[bool(p["bwd_sync"][i][c]) for i, c in enumerate(choice)],
             moved=moved,
             reduces=any(bool(p["reduces"][i][c]) for i, c in enumerate(choice)),
-            after_backward=float(sum(p["after"][i][c] for i, c in enumerate(choice))))
+            after_backward=float(sum(p["after"][i][c] for i, c in enumerate(choice))),
+            horizon=self.horizon)
         return sum(waits.values()), stretch
 
     def __call__(self, choice) -> float:

@@ -88,8 +88,8 @@ import yaml
 
 from shardplan.execute.plans import tensor_parallel
 from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, best_time, build_probe, dispatch_overhead,
-                                      fit_efficiency, fit_sync_jitter, local_time, probe_kernel_seconds,
-                                      probe_tables,
+                                      fit_efficiency, fit_sync_jitter, jitter_law, local_time,
+                                      probe_kernel_seconds, probe_tables,
                                       product_efficiency, sharded_dispatch_ratio, step_bandwidth)
 
 
@@ -178,13 +178,13 @@ def _sync_stretch(reps: int, segments: int = 24) -> float:
     return max(statistics.median(ratios), 0.0)
 
 
-JITTER_SEGMENTS = (1e-3, 4e-3, 16e-3)
+JITTER_SEGMENTS = (1e-3, 4e-3, 16e-3, 64e-3)
 """Seconds of compute between two sync points in ``_sync_jitter``'s rounds."""
 
 
-def _sync_jitter(budget: float = 1.0, blocks: int = 3) -> tuple[float, list]:
-    """(``Device.sync_jitter`` in s^0.5, the measured points [[compute s, wait s], ...] of the block
-    that gave it).
+def _sync_jitter(budget: float = 1.0, blocks: int = 3) -> tuple[float, float | None, list]:
+    """(``Device.sync_jitter`` in s^0.5, ``Device.sync_jitter_horizon`` in s or None, the measured
+    points [[compute s, wait s], ...] of the block that gave them).
 
     For each length ``T`` in ``JITTER_SEGMENTS``, rounds of ``T`` seconds of (256 x 256) products
     followed by a small all-reduce issued as the runtime issues it; every rank times each round's
@@ -192,9 +192,10 @@ def _sync_jitter(budget: float = 1.0, blocks: int = 3) -> tuple[float, list]:
     the slowest peer. Ranks leave each all-reduce together, so every round starts aligned; all ranks
     run the same number of products (the slowest rank's count for ``T``). Per block (about ``budget /
     blocks`` seconds of rounds per length), the mean wait per round over ranks (the slowest 5% of
-    rounds dropped) against the mean compute is fitted by least squares to ``wait = j sqrt(T)``:
-    ``j = sum(w sqrt(T)) / sum(T)``. The smallest block's ``j`` is kept, as every rate here is the
-    fastest repetition's: a block taken during a neighbour's burst read 3-4x the quiet ones."""
+    rounds dropped) against the mean compute is fitted by least squares to ``wait = j sqrt(min(T,
+    horizon))`` (``probes.jitter_law``: the 64 ms rounds wait about as long as the 16 ms ones here).
+    The smallest block's ``j`` is kept, as every rate here is the fastest repetition's: a block taken
+    during a neighbour's burst read 3-4x the quiet ones."""
     collective = _runtime_all_reduce(torch.zeros(256))
     x, w = torch.randn(256, 256), torch.randn(256, 256)
 
@@ -211,7 +212,7 @@ def _sync_jitter(budget: float = 1.0, blocks: int = 3) -> tuple[float, list]:
         collective()
         alone.append(time.perf_counter() - t0)
     base = statistics.median(alone)
-    best = (float("inf"), [])
+    best = (float("inf"), None, [])
     for _ in range(blocks):
         points = []
         for length in JITTER_SEGMENTS:
@@ -232,8 +233,9 @@ def _sync_jitter(budget: float = 1.0, blocks: int = 3) -> tuple[float, list]:
         dist.all_reduce(t)
         t /= dist.get_world_size()
         pts = t.view(-1, 2).tolist()
-        j = sum(wt * math.sqrt(max(seg, 0.0)) for seg, wt in pts) / sum(seg for seg, _ in pts)
-        best = min(best, (max(j, 0.0), pts))
+        j, horizon = jitter_law(pts)
+        if j < best[0]:
+            best = (j, horizon, pts)
     return best
 
 
@@ -398,7 +400,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
                                              elementwise_bandwidth=elementwise)
                      if p > 1 else 1.0)
     stretch = _sync_stretch(reps) if p > 1 else 0.0
-    jitter, jitter_points = _sync_jitter() if p > 1 else (0.0, [])
+    jitter, horizon, jitter_points = _sync_jitter() if p > 1 else (0.0, None, [])
     curve = [list(q) for q in gemm]
     m = {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
             # the model prices a convolution at peak x efficiency x conv_efficiency: the reference's
@@ -414,7 +416,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
             "joint_fit_efficiency": joint_efficiency, "joint_fit_op_overhead": joint_overhead,
             "data_parallel_probe_op_overhead": split_overhead, "sharded_dispatch_ratio": sharded_ratio,
             "sync_stretch": stretch,
-            "sync_jitter": jitter, "sync_jitter_points": jitter_points,
+            "sync_jitter": jitter, "sync_jitter_horizon": horizon, "sync_jitter_points": jitter_points,
             "redistribute_overhead": redistribute,
             # the probes run on a CPU mesh, where DTensor does an all-to-all as a gather and a cut
             "all_to_all_by_gather": True,
@@ -447,6 +449,7 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
                        **({"elementwise_bandwidth": m["elementwise_bandwidth"]}
                           if m.get("elementwise_bandwidth") else {}),
                        "sync_stretch": m.get("sync_stretch", 0.0), "sync_jitter": m.get("sync_jitter", 0.0),
+                       **({"sync_jitter_horizon": m["sync_jitter_horizon"]} if m.get("sync_jitter_horizon") else {}),
                        "redistribute_overhead": m.get("redistribute_overhead", 0.0),
                        "all_to_all_by_gather": bool(m.get("all_to_all_by_gather", False)),
                        **({"split_op_overhead": m["op_overhead"] * m["sharded_dispatch_ratio"]}

@@ -12,6 +12,7 @@ memory-bound kernels the bandwidth they get inside a step (``step_bandwidth``); 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -289,3 +290,27 @@ def fit_sync_jitter(seconds: float, graph, cluster, p: int, choose) -> float:
     waits, stretch = sync_waits(model, tables, choice)
     base = tables.cost_of(choice) - stretch
     return max((seconds - base) / waits, 0.0) if waits > 0 else 0.0
+
+
+JITTER_HORIZONS = (None, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3)
+"""Candidate ``Device.sync_jitter_horizon`` values (seconds; None: none) that :func:`jitter_law` tries."""
+
+
+def jitter_law(points) -> tuple[float, float | None]:
+    """(``sync_jitter`` in s^0.5, ``sync_jitter_horizon`` in s or None) that best fit measured waits:
+    ``points`` are ``(compute seconds T, wait seconds w)``; for each horizon ``h`` of
+    ``JITTER_HORIZONS`` the least-squares ``j`` of ``w = j sqrt(min(T, h))`` is
+    ``sum(w x) / sum(x^2)`` with ``x = sqrt(min(T, h))``, and the horizon with the smallest squared
+    error wins (the earliest on a tie: a horizon only where it fits strictly better than none)."""
+    best = (float("inf"), 0.0, None)
+    for h in JITTER_HORIZONS:
+        xs = [math.sqrt(max(t, 0.0) if h is None else min(max(t, 0.0), h)) for t, _ in points]
+        den = sum(x * x for x in xs)
+        if den <= 0:
+            continue
+        j = max(sum(w * x for (_, w), x in zip(points, xs)) / den, 0.0)
+        err = sum((w - j * x) ** 2 for (_, w), x in zip(points, xs))
+        if err < best[0] - 1e-18:
+            best = (err, j, h)
+    return best[1], best[2]
+

@@ -183,7 +183,8 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
             bwd_sync=[any(sec[r] > 0 for _, sec in e.bwd_comm) for r, e in rows],
             moved=[any(cost > 0 for _, cost, _ in incoming[i]) for i in range(n)],
             reduces=any(sec[r] > 0 for r, e in rows for _, _, sec in e.grad_comm),
-            after_backward=sum(sec[r] for r, e in rows for _, sec in e.grad_pack) + sum(updates))
+            after_backward=sum(sec[r] for r, e in rows for _, sec in e.grad_pack) + sum(updates),
+            horizon=cluster.device.sync_jitter_horizon)
 
     def wait(key, label: str, deps, priority: int = 0) -> int:
         return add(f"sync wait ({label})", waits[key], [M], deps, priority=priority, kind="wait")
