@@ -183,26 +183,35 @@ def zoo_cases():
 CASES = zoo_cases()
 
 
+@pytest.mark.parametrize("horizon", [None, 1e-4])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0].name}-{c[3]}" for c in CASES])
-def test_serial_simulation_with_jitter_equals_the_predicted_step(case):
+def test_serial_simulation_with_jitter_equals_the_predicted_step(case, horizon):
     """With a ``sync_jitter`` (and a ``sync_stretch``, which it replaces) on the device, the serial
     simulation adds up to ``cost.step.step_seconds``: the jitter waits are tasks at the plan's
     sync points, the per-op stretch is gone from the compute, and on more than one device the step
-    ends with a wait."""
+    ends with a wait. With a ``sync_jitter_horizon`` of 0.1 ms both cap the waits alike (every
+    wait at most ``sync_jitter x sqrt(0.1 ms)``, the total at most the uncapped one)."""
     import dataclasses
 
     from shardplan.cost.step import step_seconds, sync_waits
 
     g, cl, _, label, choice = case
-    jittery = dataclasses.replace(cl, device=dataclasses.replace(cl.device, sync_jitter=0.01, sync_stretch=0.2))
+    jittery = dataclasses.replace(cl, device=dataclasses.replace(cl.device, sync_jitter=0.01, sync_stretch=0.2,
+                                                                 sync_jitter_horizon=horizon))
     model = AnalyticCostModel(jittery)
     tables = build_tables(g, model, 8)
     waits, stretch = sync_waits(model, tables, choice)
     assert waits > 0 and stretch >= 0
+    if horizon is not None:
+        free = dataclasses.replace(jittery, device=dataclasses.replace(jittery.device, sync_jitter_horizon=None))
+        assert waits <= sync_waits(AnalyticCostModel(free), tables, choice)[0]
     serial = simulate(g, jittery, list(choice), tables=tables, overlap=False)
     assert serial.iteration_seconds == pytest.approx(step_seconds(model, tables, choice), rel=1e-9)
     assert sum(e.end - e.start for e in serial.events if e.name.startswith("sync wait")) == pytest.approx(waits, rel=1e-9)
     assert serial.events[-1].name == "sync wait (end of step, slowest rank)"
+    if horizon is not None:
+        assert all(e.end - e.start <= 0.01 * horizon ** 0.5 * (1 + 1e-9) for e in serial.events
+                   if e.name.startswith("sync wait"))
     assert_lanes_exclusive(simulate(g, jittery, list(choice), tables=tables))
 
 

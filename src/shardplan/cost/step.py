@@ -61,7 +61,8 @@ def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
     compute of an op whose pass ends in a critical collective), so that the search's objective adds
     up over ops. What the ranks actually wait depends on how much compute lies between two sync
     points, which is a property of the whole plan: after ``T`` seconds of compute since the last
-    sync point the slowest rank trails by about ``sync_jitter x sqrt(T)`` (``Device.sync_jitter``).
+    sync point the slowest rank trails by about ``sync_jitter x sqrt(T)`` (``Device.sync_jitter``;
+    ``T`` counted up to ``Device.sync_jitter_horizon``, after which the wait stops growing).
     The walk (``jitter_waits``) follows one step in program order, as ``shardplan run`` takes it:
 
     * forward, op by op: a redistribution into the op (an edge with a cost) is a sync point before

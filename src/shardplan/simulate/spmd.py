@@ -22,7 +22,7 @@ Per op, in program order (the analytic model's items, ``AnalyticCostModel.node_c
 * with a ``sync_jitter`` on the device (and more than one device), a wait task on the comm stream at
   every sync point of the prediction's walk (``cost.step.jitter_waits``: before a redistribution,
   before an op's critical collectives, before the gradient reduction, at the step's end), each
-  ``sync_jitter x sqrt(compute since the previous one)``, and the compute tasks without the per-op
+  ``sync_jitter x sqrt(compute since the previous one)`` (up to ``sync_jitter_horizon``), and the compute tasks without the per-op
   stretch: without overlap the iteration is then ``cost.step.step_seconds``.
 
 Symmetry: under the analytic model every device of an SPMD plan runs the same tasks with the same
