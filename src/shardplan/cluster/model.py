@@ -128,41 +128,13 @@ class Device:
     def __post_init__(self) -> None:
         for name in ("gemm_efficiency", "conv_reduction_efficiency", "conv_rows_efficiency"):
             _check_curve(name, getattr(self, name))
-        for f in ("peak_flops", "memory_bytes", "memory_bandwidth"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise ClusterError(f"device.{f} must be a positive number, got {v!r}")
-        if not isinstance(self.op_overhead, (int, float)) or self.op_overhead < 0:
-            raise ClusterError(f"device.op_overhead must be a non-negative number, got {self.op_overhead!r}")
-        if self.elementwise_bandwidth is not None and (
-                not isinstance(self.elementwise_bandwidth, (int, float)) or isinstance(self.elementwise_bandwidth, bool)
-                or not self.elementwise_bandwidth > 0):
-            raise ClusterError(f"device.elementwise_bandwidth must be a positive number, got "
-                               f"{self.elementwise_bandwidth!r}")
-        if self.pool_bandwidth is not None and (not isinstance(self.pool_bandwidth, (int, float))
-                                                or isinstance(self.pool_bandwidth, bool) or not self.pool_bandwidth > 0):
-            raise ClusterError(f"device.pool_bandwidth must be a positive number, got {self.pool_bandwidth!r}")
-        if not isinstance(self.sync_stretch, (int, float)) or isinstance(self.sync_stretch, bool) \
-                or self.sync_stretch < 0:
-            raise ClusterError(f"device.sync_stretch must be a non-negative number, got {self.sync_stretch!r}")
-        if not isinstance(self.sync_jitter, (int, float)) or isinstance(self.sync_jitter, bool) \
-                or self.sync_jitter < 0:
-            raise ClusterError(f"device.sync_jitter must be a non-negative number, got {self.sync_jitter!r}")
-        if self.sync_jitter_horizon is not None and (not isinstance(self.sync_jitter_horizon, (int, float))
-                                                     or isinstance(self.sync_jitter_horizon, bool)
-                                                     or not self.sync_jitter_horizon > 0):
-            raise ClusterError(f"device.sync_jitter_horizon must be a positive number, got "
-                               f"{self.sync_jitter_horizon!r}")
-        if self.split_op_overhead is not None and (not isinstance(self.split_op_overhead, (int, float))
-                                                   or self.split_op_overhead < 0):
-            raise ClusterError(f"device.split_op_overhead must be a non-negative number, got "
-                               f"{self.split_op_overhead!r}")
-        if not isinstance(self.redistribute_overhead, (int, float)) or isinstance(self.redistribute_overhead, bool) \
-                or self.redistribute_overhead < 0:
-            raise ClusterError(f"device.redistribute_overhead must be a non-negative number, got "
-                               f"{self.redistribute_overhead!r}")
-        if not isinstance(self.conv_efficiency, (int, float)) or not self.conv_efficiency > 0:
-            raise ClusterError(f"device.conv_efficiency must be a positive number, got {self.conv_efficiency!r}")
+        for f in ("peak_flops", "memory_bytes", "memory_bandwidth", "conv_efficiency"):
+            _check_number("device.", f, getattr(self, f), positive=True)
+        for f in ("op_overhead", "sync_stretch", "sync_jitter", "redistribute_overhead"):
+            _check_number("device.", f, getattr(self, f), positive=False)
+        for f in ("elementwise_bandwidth", "pool_bandwidth", "sync_jitter_horizon"):
+            _check_number("device.", f, getattr(self, f), positive=True, optional=True)
+        _check_number("device.", "split_op_overhead", self.split_op_overhead, positive=False, optional=True)
         if not 0 < self.efficiency <= 1:
             raise ClusterError(f"device.efficiency must be in (0, 1], got {self.efficiency!r}")
 
@@ -197,19 +169,11 @@ class Level:
     def __post_init__(self) -> None:
         if not isinstance(self.fanout, int) or isinstance(self.fanout, bool) or self.fanout < 1:
             raise ClusterError(f"level {self.name!r}: fanout must be a positive integer, got {self.fanout!r}")
-        if not isinstance(self.bandwidth, (int, float)) or not self.bandwidth > 0:
-            raise ClusterError(f"level {self.name!r}: bandwidth must be a positive number, got {self.bandwidth!r}")
-        if not isinstance(self.latency, (int, float)) or self.latency < 0:
-            raise ClusterError(f"level {self.name!r}: latency must be a non-negative number, got {self.latency!r}")
-        if self.gather_bandwidth is not None and (not isinstance(self.gather_bandwidth, (int, float))
-                                                  or isinstance(self.gather_bandwidth, bool)
-                                                  or not self.gather_bandwidth > 0):
-            raise ClusterError(f"level {self.name!r}: gather_bandwidth must be a positive number, got "
-                               f"{self.gather_bandwidth!r}")
-        if self.gather_latency is not None and (not isinstance(self.gather_latency, (int, float))
-                                                or isinstance(self.gather_latency, bool) or self.gather_latency < 0):
-            raise ClusterError(f"level {self.name!r}: gather_latency must be a non-negative number, got "
-                               f"{self.gather_latency!r}")
+        where = f"level {self.name!r}: "
+        _check_number(where, "bandwidth", self.bandwidth, positive=True)
+        _check_number(where, "latency", self.latency, positive=False)
+        _check_number(where, "gather_bandwidth", self.gather_bandwidth, positive=True, optional=True)
+        _check_number(where, "gather_latency", self.gather_latency, positive=False, optional=True)
 
 
 @dataclass(frozen=True)
@@ -299,6 +263,16 @@ def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels
             raise ValueError(f"unknown collective {kind!r}")
         remaining = remaining / ql
     return total
+
+
+def _check_number(where: str, name: str, value, *, positive: bool, optional: bool = False) -> None:
+    """Refuse, naming the field, a value that is not a number (a bool is not one) or not above 0
+    (``positive``) or below 0; ``optional``: None passes (the field is unset)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value > 0 if positive else value >= 0):
+        raise ClusterError(f"{where}{name} must be a {'positive' if positive else 'non-negative'} number, "
+                           f"got {value!r}")
 
 
 def _check_curve(name: str, pts) -> None:
