@@ -290,12 +290,18 @@ def conv_curves(rates: dict) -> tuple[float, list, list]:
     return float(rates[CONV_REFERENCE]), reduction, rows
 
 
+COPY_ELEMENTS = 8 * 1024 * 1024
+"""fp32 elements of the copy that measures ``memory_bandwidth`` (32 MB read, 32 MB written)."""
+LARGE_MESSAGE = 4 * 1024 * 1024
+"""fp32 elements of the large collective message (16 MB); the small one has 256 (1 KB)."""
+
+
 def _network_times(min_of: list | None = None, reps: int = 10) -> list:
     """Best seconds of the runtime's collectives over all ranks, ``NETWORK`` in order, each the
     smaller of this round's and ``min_of``'s (an earlier round's). ``measure`` takes three rounds
     spread over the calibration: a 16 MB all-reduce taken during one neighbour's burst read a sixth
     of the quiet bandwidth in session 17, and its fit then misplaced every other figure."""
-    small, large = torch.zeros(256), torch.zeros(4 * 1024 * 1024)
+    small, large = torch.zeros(256), torch.zeros(LARGE_MESSAGE)
     times = [best_time(lambda: dist.all_reduce(small), reps), best_time(lambda: dist.all_reduce(large), reps),
              # small messages are cheap to repeat and their latency is noisy on shared machines: 4x the reps
              _dtensor_all_reduce(small, 4 * reps), _dtensor_all_reduce(large, reps),
@@ -315,7 +321,7 @@ def _network_fit(times: list, p: int) -> tuple[float, float, float, float]:
     if p < 2:
         return 0.0, float("inf"), 0.0, float("inf")
     _, _, t_small, t_large, g_small, g_large = times
-    nbytes = 4 * 1024 * 1024 * 4
+    nbytes = LARGE_MESSAGE * 4
     alpha = t_small / (2.0 * (p - 1))
     beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
     gather_alpha = g_small / (p - 1)
@@ -332,7 +338,7 @@ def _compute_rates(reps: int, n: int, min_of: list | None = None) -> list:
     predictions with it."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     rates = [2.0 * n ** 3 / local_time(lambda: torch.mm(a, b), reps)]
-    big = torch.empty(8 * 1024 * 1024)  # 32 MB of fp32
+    big = torch.empty(COPY_ELEMENTS)
     dst = torch.empty_like(big)
     rates.append(2.0 * big.numel() * 4 / local_time(lambda: dst.copy_(big), reps))
     pool_in = torch.randn(8, 64, 32, 32, requires_grad=True)  # 2 MB: a CNN's pooled activation
@@ -367,7 +373,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     rates = torch.tensor(_compute_rates(reps, n, min_of=local_rates))
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     flops, mem_bw, pool_bw = float(rates[0]), float(rates[1]), float(rates[2])
-    t_mm, t_copy = 2.0 * n ** 3 / flops, 2.0 * 32 * 1024 * 1024 / mem_bw
+    t_mm, t_copy = 2.0 * n ** 3 / flops, 2.0 * COPY_ELEMENTS * 4 / mem_bw
     gemm = _curve((rates[3:3 + len(SKINNY)] / flops).tolist(), n)
     conv_rates = dict(zip(CONV_SHAPES, rates[3 + len(SKINNY):].tolist()))
     conv_flops, reduction_curve, rows_curve = conv_curves(conv_rates)
@@ -402,26 +408,26 @@ def measure(reps: int = 10, n: int = 512) -> dict:
     stretch = _sync_stretch(reps) if p > 1 else 0.0
     jitter, horizon, jitter_points = _sync_jitter() if p > 1 else (0.0, None, [])
     curve = [list(q) for q in gemm]
-    m = {"world_size": p, "matmul_flops": float(rates[0]), "memory_bandwidth": float(rates[1]),
-            # the model prices a convolution at peak x efficiency x conv_efficiency: the reference's
-            # measured rate, which convolutions keep inside a training step (GEMMs do not: efficiency)
-            "conv_flops": conv_flops, "conv_efficiency": conv_flops / (flops * efficiency),
-            "conv_reduction_efficiency": reduction_curve, "conv_rows_efficiency": rows_curve,
-            "pool_bandwidth": pool_bw, "elementwise_bandwidth": elementwise,
-            "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta,
-            "gather_latency": gather_alpha, "gather_bandwidth": gather_beta,
-            "matmul_n": n, "op_overhead": overhead,
-            "efficiency": efficiency, "probe_step_seconds": probe_seconds,
-            "compute_probe_gemm_seconds": gemm_seconds, "compute_probe_memory_kernel_seconds": memory_seconds,
-            "joint_fit_efficiency": joint_efficiency, "joint_fit_op_overhead": joint_overhead,
-            "data_parallel_probe_op_overhead": split_overhead, "sharded_dispatch_ratio": sharded_ratio,
-            "sync_stretch": stretch,
-            "sync_jitter": jitter, "sync_jitter_horizon": horizon, "sync_jitter_points": jitter_points,
-            "redistribute_overhead": redistribute,
-            # the probes run on a CPU mesh, where DTensor does an all-to-all as a gather and a cut
-            "all_to_all_by_gather": True,
-            "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
-            "seconds": {"mm": t_mm, "copy": t_copy, **dict(zip(NETWORK, net or ()))}}
+    m = {"world_size": p, "matmul_flops": flops, "memory_bandwidth": mem_bw,
+         # the model prices a convolution at peak x efficiency x conv_efficiency: the reference's
+         # measured rate, which convolutions keep inside a training step (GEMMs do not: efficiency)
+         "conv_flops": conv_flops, "conv_efficiency": conv_flops / (flops * efficiency),
+         "conv_reduction_efficiency": reduction_curve, "conv_rows_efficiency": rows_curve,
+         "pool_bandwidth": pool_bw, "elementwise_bandwidth": elementwise,
+         "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta,
+         "gather_latency": gather_alpha, "gather_bandwidth": gather_beta,
+         "matmul_n": n, "op_overhead": overhead,
+         "efficiency": efficiency, "probe_step_seconds": probe_seconds,
+         "compute_probe_gemm_seconds": gemm_seconds, "compute_probe_memory_kernel_seconds": memory_seconds,
+         "joint_fit_efficiency": joint_efficiency, "joint_fit_op_overhead": joint_overhead,
+         "data_parallel_probe_op_overhead": split_overhead, "sharded_dispatch_ratio": sharded_ratio,
+         "sync_stretch": stretch,
+         "sync_jitter": jitter, "sync_jitter_horizon": horizon, "sync_jitter_points": jitter_points,
+         "redistribute_overhead": redistribute,
+         # the probes run on a CPU mesh, where DTensor does an all-to-all as a gather and a cut
+         "all_to_all_by_gather": True,
+         "dispatch_probe_calls": calls, "tiny_llama_op_overhead": tiny_overhead,
+         "seconds": {"mm": t_mm, "copy": t_copy, **dict(zip(NETWORK, net or ()))}}
     if p > 1:
         # the waits at sync points, fitted to a tensor-parallel probe's step at every other rate
         # calibrated above: the synthetic rounds' figure (kept in the comments) waits for a peer in
