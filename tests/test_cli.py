@@ -124,6 +124,26 @@ def test_bad_input(args, culprit):
     assert len(lines) == 1 and culprit in lines[0], lines
 
 
+@pytest.mark.parametrize("command,flag", [(["calibrate", "--devices", "2"], "--out"),
+                                          (["plan", "--model", "mlp", "--devices", "2"], "--json"),
+                                          (["simulate", "--plan", "p.json"], "--trace")])
+def test_an_output_file_in_a_missing_folder_is_refused_before_any_work(tmp_path, capsys, command, flag):
+    """``calibrate`` measures for a minute before it writes: a folder that does not exist (or a folder
+    given as the file) is refused up front, naming the flag, not after the work with torchrun's
+    traceback (this refusal comes back at once, so calibrate never launched)."""
+    import time
+
+    missing = tmp_path / "no" / "such" / "file.out"
+    t0 = time.perf_counter()
+    assert main([*command, flag, str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and "does not exist" in err[0], err
+    assert main([*command, flag, str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a directory" in err[0], err
+    assert time.perf_counter() - t0 < 5.0
+
+
 @pytest.mark.parametrize("text,culprit", [
     ("device: {peak_flops: 1e12, memory_bytes: 8e9}\nlevels: [{fanout: 4, bandwidth: 1e10}]", "memory_bandwidth"),
     ("device: {peak_flops: 1e12, memory_bytes: 8e9, memory_bandwidth: 1e11}\nlevels: [{fanout: 4, bandwith: 1e10}]",

@@ -32,6 +32,26 @@ def _positive(flag: str, value):
         raise UsageError(f"{flag} must be positive, got {value}")
 
 
+OUTPUT_FLAGS = ("json", "out", "trace", "png")
+"""The flags that name a file a command writes (``-`` for stdout where the flag allows it)."""
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an output file whose folder does not exist or that names a folder:
+    a calibration or a search should not run for minutes and then fail to write its result."""
+    import os
+
+    for flag in OUTPUT_FLAGS:
+        path = getattr(args, flag, None)
+        if not path or path == "-":
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise UsageError(f"--{flag} {path}: is a directory, not a file")
+        if not os.path.isdir(folder):
+            raise UsageError(f"--{flag} {path}: directory {folder} does not exist")
+
+
 def _cost_model(args: argparse.Namespace):
     """(cost model, cluster or None, devices) from the flags."""
     if args.cost_model not in COST_MODELS:
@@ -539,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("clusters", help="list built-in clusters")
     args = parser.parse_args(argv)
     try:
+        _check_outputs(args)
         if args.command == "models":
             for name in sorted(MODELS):
                 sizes = model_sizes(name)
