@@ -328,8 +328,11 @@ def _split_experts(experts: nn.Module, fqn: str, weight) -> None:
     if not hasattr(experts, "num_experts"):
         raise ApplyError(f"module {fqn!r} ({type(experts).__name__}) holds the experts but has no "
                          f"num_experts; shardplan splits transformers' experts modules only")
-    local_shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
-                                                                weight.placements)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # plain integers even in a dry run's fake tensors (execute.dryrun)
+        local_shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
+                                                                    weight.placements)
     first, count = int(offset[0]), int(local_shape[0])
     forward = experts.forward
 

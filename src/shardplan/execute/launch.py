@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 from shardplan.capture import capture
 from shardplan.capture.models import HF_MODELS, TORCH_MODELS, build, parse_config
 from shardplan.cost.step import step_seconds
@@ -43,7 +45,8 @@ def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_mo
     """(plan, predicted seconds) after every check that can fail before a process starts."""
     if model not in RUNNABLE:
         raise ApplyError(f"shardplan run knows models {', '.join(RUNNABLE)}; got {model!r}")
-    module, kwargs = build(model, batch=batch, seq=seq, **parse_config(config))
+    with torch.device("meta"):  # shapes are all the graph needs: no weight memory, however large the model
+        module, kwargs = build(model, batch=batch, seq=seq, **parse_config(config))
     graph = capture(module, (), kwargs, name=model)
     tables = build_tables(graph, cost_model, devices)
     if plan_file:

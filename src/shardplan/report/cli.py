@@ -301,6 +301,8 @@ def _run(args: argparse.Namespace) -> int:
     if isinstance(cost_model, AnalyticCostModel):  # price the update and memory of what the run trains with
         cost_model = dataclasses.replace(cost_model, optimizer=RUN_OPTIMIZER)
     files = args.plan or [None]
+    if args.dry_run:
+        return _dry_run(args, model_name, files, cost_model, cluster, devices)
     if len(files) > 1:
         return _run_several(args, model_name, files, cost_model, cluster, devices)
     try:
@@ -355,6 +357,56 @@ def _print_run(args, out: dict, cost_model_name: str, label: str = "") -> None:
         c = out["check"]
         print(f"{label}check against single device: {'passed' if c.get('passed') else 'FAILED'} "
               f"(max relative difference {c.get('max_rel_diff')})")
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: int) -> int:
+    """``shardplan run --dry-run``: each plan (or the searched one) applied on a fake process group of
+    ``--devices`` ranks in this process, one step in fake tensors (``execute.dryrun``); the collectives
+    rank 0 issues per step, beside the prediction. Nothing is measured or checked numerically."""
+    from shardplan.execute.apply import ApplyError
+    from shardplan.execute.dryrun import dry_run
+    from shardplan.execute.launch import is_pipeline_plan, prepare
+    from shardplan.plan import PlanError
+
+    if args.check:
+        raise UsageError("--dry-run computes no numbers (fake tensors), so there is nothing to --check")
+    if args.pipeline or any(is_pipeline_plan(f) for f in files):
+        raise UsageError("--dry-run runs SPMD plans; a pipeline plan needs its stages' processes")
+    records = []
+    for f in files:
+        label = f or "the searched plan"
+        try:
+            plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model, f)
+        except (ApplyError, PlanError, ValueError) as exc:
+            raise UsageError(f"{label}: {exc}" if f else str(exc)) from None
+        try:
+            dr = dry_run(model_name, args.hf_config, args.batch, args.seq, plan)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the runtime's reason, named, instead of a traceback
+            raise UsageError(f"{label} does not run on {plan.devices} ranks: {type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+        records.append({"model": model_name, "devices": plan.devices, "plan_file": f,
+                        "cluster": cluster.name if cluster else None, "cost_model": cost_model.name,
+                        "predicted_step_seconds": predicted, "dry_run": dr.to_dict(),
+                        "plan": plan.to_dict()["layers"]})
+    out = records[0] if len(records) == 1 else {"model": model_name, "devices": devices, "plans": records}
+    if not _write_json(args, out):
+        for rec in records:
+            d = rec["dry_run"]
+            comms = ", ".join(f"{v['count']} {k} ({_size(v['bytes'])})" for k, v in d["collectives"].items())
+            print(f"{rec['plan_file'] or 'searched plan'}: {model_name} on {rec['devices']} ranks (mesh "
+                  f"{'x'.join(map(str, d['mesh']))}) runs: one step in {d['seconds']:.3g} s here (fake tensors); "
+                  f"per step rank 0 issues {comms or 'no collectives'}; predicted "
+                  f"{rec['predicted_step_seconds']:.4g} s/step ({cost_model.name} on {rec['cluster']})")
+    return 0
 
 
 def _run_several(args, model_name: str, files: list[str], cost_model, cluster, devices: int) -> int:
@@ -525,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="plan JSON from `shardplan plan --json FILE` (default: search); repeat it to run several "
                         "plans in one launch, their steps interleaved so all see the same machine")
     r.add_argument("--check", action="store_true", help="compare loss and gradients with a single-device run")
+    r.add_argument("--dry-run", action="store_true",
+                   help="no torchrun: play rank 0 of a fake process group in this process, with fake tensors "
+                        "(any --devices, no weight memory), run one step of the plan and list its collectives")
     r.add_argument("--pipeline", action="store_true",
                    help="plan and run pipeline stages (torch.distributed.pipelining; a pipeline --plan implies it)")
     r.add_argument("--cluster", default=None, help=f"cluster to predict on (default {DEFAULT_CLUSTER})")

@@ -1,0 +1,180 @@
+"""A plan's training step on N ranks without N processes (``shardplan run --dry-run``).
+
+One process plays rank 0 of a fake process group of ``devices`` ranks (``torch.testing``'s fake
+backend: every collective returns at once and moves nothing) while the model lives in fake tensors
+(``FakeTensorMode``: shapes and dtypes, no storage, no arithmetic). The plan is applied exactly as
+``shardplan run`` applies it (``execute.apply``) and one training step runs: forward, loss, backward
+and the bucketed gradient reduction. So a plan for 64 ranks of a model that fits no machine here is
+checked in seconds, before any cluster is booked:
+
+* everything DTensor decides at run time (sharding propagation, the redistributions the plan asks
+  for, the per-rank products) runs for real on rank 0's shapes, so a plan the runtime cannot execute
+  fails here, with the reason, instead of in N processes;
+* every collective the step issues is recorded (``Collective``: kind, bytes, group size, phase), the
+  communication the plan really costs, to set beside what the cost model priced.
+
+Only rank 0 is played: a rank whose shards differ in shape (an uneven split) is not exercised, and
+numbers are not computed, so nothing is compared with single device (that is ``run --check``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+KINDS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+         "allgather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "all_to_all_single": "all_to_all", "broadcast_": "broadcast"}
+"""aten collectives (functional ones, as DTensor issues them, and c10d's in-place ones, as the
+gradient buckets are reduced) by the kind the cost model prices (``cluster.model.collective_seconds``)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step, as rank 0 issued it.
+
+    ``nbytes``: the whole message in the cost model's convention (``collective_seconds``): the
+    reduced tensor for an all-reduce, the gathered tensor for an all-gather (the local shard times
+    the group), the input of a reduce-scatter or all-to-all. ``ranks``: the group's size.
+    ``phase``: "forward" (up to the loss), "backward", or "gradients" (the data-parallel buckets)."""
+
+    kind: str
+    nbytes: int
+    ranks: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What one rank's step of a plan did on a fake process group."""
+
+    devices: int
+    mesh: tuple[int, ...]
+    collectives: tuple[Collective, ...]
+    seconds: float
+    """Wall time of the apply and the step here (fake tensors: host work only, no arithmetic)."""
+
+    def summary(self) -> dict:
+        """{kind: {"count", "bytes"}} over the step, kinds in order of first use."""
+        out: dict[str, dict] = {}
+        for c in self.collectives:
+            s = out.setdefault(c.kind, {"count": 0, "bytes": 0})
+            s["count"] += 1
+            s["bytes"] += c.nbytes
+        return out
+
+    def to_dict(self) -> dict:
+        return {"devices": self.devices, "mesh": list(self.mesh), "seconds": self.seconds,
+                "collectives": self.summary(),
+                "by_phase": {p: sum(c.phase == p for c in self.collectives)
+                             for p in ("forward", "backward", "gradients")}}
+
+
+def _group_size(name: str, args) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        return int(args[1] if name == "all_gather_into_tensor" else args[2])
+    if name in ("all_reduce", "all_to_all_single"):
+        return _resolve_process_group(args[-1]).size()
+    for a in args:  # c10d's in-place ops carry the process group object
+        if isinstance(a, dist.ProcessGroup):
+            return int(a.size())
+    return dist.get_world_size()
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records every collective dispatched while it is active, with the phase set by the caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.seen: list[Collective] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        kind = KINDS.get(name)
+        if kind is not None:
+            first = args[0]
+            tensors = [first] if isinstance(first, torch.Tensor) else [t for t in first if isinstance(t, torch.Tensor)]
+            ranks = _group_size(name, args)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            if kind == "all_gather":
+                nbytes *= ranks
+            self.seen.append(Collective(kind, int(nbytes), int(ranks), self.phase))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fake_world(devices: int):
+    """A fake default process group of ``devices`` ranks in this process (this process is rank 0)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs this process's default process group, and one is already set up")
+    dist.init_process_group("fake", rank=0, world_size=devices, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fake_safe_kernels():
+    """Kernels whose fake (shape-only) version refuses what their CPU version runs, swapped for the
+    equivalent the library itself falls back to: transformers' routed experts call
+    ``torch._grouped_mm``, whose fake implementation takes bf16 only, so its own per-expert fallback
+    (same shapes, same calls into the experts' weights) is used instead."""
+    from unittest import mock
+
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:
+        yield
+        return
+    if not hasattr(moe, "_can_use_grouped_mm"):
+        yield
+        return
+    with mock.patch.object(moe, "_can_use_grouped_mm", lambda *a, **k: False):
+        yield
+
+
+def dry_run(model: str, config: str, batch: int, seq: int, plan) -> DryRun:
+    """Apply ``plan`` to the built-in or Hugging Face ``model`` (as ``shardplan run`` builds it) on a
+    fake process group of ``plan.devices`` ranks and run one training step in fake tensors; returns
+    the step's collectives. A plan the runtime cannot run raises the runtime's error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardplan.capture import capture
+    from shardplan.capture.models import build, parse_config
+    from shardplan.execute.apply import apply, choose_mesh
+    from shardplan.execute.worker import _loss
+
+    t0 = time.perf_counter()
+    size = parse_config(config)
+    with torch.device("meta"):  # the graph from shapes alone
+        module, kwargs = build(model, batch=batch, seq=seq, **size)
+    graph = capture(module, (), kwargs, name=model)
+    mesh_shape = choose_mesh(graph, plan)
+    recorder = CollectiveRecorder()
+    with fake_world(plan.devices), _fake_safe_kernels():
+        mesh = init_device_mesh("cpu", mesh_shape)  # outside the fake mode: the mesh's rank table is real
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            torch.manual_seed(0)
+            module, kwargs = build(model, batch=batch, seq=seq, **size)
+            module.eval()
+            pm = apply(module, graph, plan, mesh)
+            with recorder:
+                loss = _loss(pm(**kwargs))
+                recorder.phase = "backward"
+                with pm.context():
+                    loss.backward()
+                    recorder.phase = "gradients"
+                    pm.reduce_gradients()
+    return DryRun(plan.devices, tuple(mesh_shape), tuple(recorder.seen), time.perf_counter() - t0)
