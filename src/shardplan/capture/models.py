@@ -6,6 +6,8 @@ models (GPT-2, Llama, BERT, Mixtral) built from configs with random weights (not
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -137,11 +139,12 @@ def parse_config(text: str | None) -> dict:
     return out
 
 
-def load_hf(kind: str, overrides: dict, batch: int = 8, seq: int = 128):
-    """A full-size HF model (library defaults plus ``overrides``) on the meta device, and meta inputs."""
-    with torch.device("meta"):
+def load_hf(kind: str, overrides: dict, batch: int = 8, seq: int = 128, meta: bool = True):
+    """A full-size HF model (library defaults plus ``overrides``) on the meta device, and meta inputs;
+    ``meta=False``: on the default device (under ``FakeTensorMode``, a dry run's fake tensors)."""
+    with torch.device("meta") if meta else contextlib.nullcontext():
         model = _hf(kind, overrides, small=False)
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        ids = torch.zeros(batch, seq, dtype=torch.long)
     return model, {"input_ids": ids}, kind
 
 

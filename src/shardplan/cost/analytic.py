@@ -121,6 +121,24 @@ def gathered_words(shape: tuple[int, ...], src_layouts: np.ndarray, dst_layouts:
     return np.where(left.any(axis=2) & new.any(axis=2), gathered - held, 0.0)
 
 
+def inner_copy_words(shape: tuple[int, ...], src_layouts: np.ndarray, dst_layouts: np.ndarray) -> np.ndarray:
+    """Elements a device copies locally in a move, (L_src, L_dst), besides what the network carries:
+    a gather along an inner dim (some dim before it is more than 1 long on the device) arrives as
+    the peers' tiles stacked along the outermost dim and is concatenated into place (a copy of the
+    gathered tile); a cut along an inner dim is not a view of memory and is copied out (a copy of
+    the destination tile). A gather or cut of the outermost non-trivial dim is free (a view).
+    The gathered tile keeps the splits both layouts share, ``min(src, dst)`` per dim."""
+    t = np.array(shape, dtype=np.float64)
+    src, dst = src_layouts[:, None, :], dst_layouts[None, :, :]
+    kept = np.minimum(src, dst)
+    local = t / kept  # the tile between the gather and the cut
+    before = np.cumsum(local > 1, axis=2) - (local > 1)  # dims longer than 1 before each dim
+    inner = before > 0
+    gathered = np.where(((src > dst) & inner).any(axis=2), np.prod(local, axis=2), 0.0)
+    cut = np.where(((dst > src) & inner).any(axis=2), np.prod(t / dst, axis=2), 0.0)
+    return gathered + cut
+
+
 @dataclass(frozen=True)
 class AnalyticCostModel:
     cluster: Cluster
@@ -493,7 +511,9 @@ class AnalyticCostModel:
         what a change of split dim leaves (``gathered_words``); each move that carries bytes pays
         the level's ``move_latency`` and its bytes at ``move_bandwidth`` (the one-way collectives'
         rates, ``gather_latency`` and ``gather_bandwidth`` when calibrated), and each direction that changes the layout the device's
-        ``redistribute_overhead`` (docs/cost_model.md, *Redistribution on edges*)."""
+        ``redistribute_overhead``, and each gather or cut along an inner dim its local copy
+        (``inner_copy_words``, read and written at ``Device.kernel_bandwidth``; docs/cost_model.md,
+        *Redistribution on edges*)."""
         fwd = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
         bwd = redistribution_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes
         fwd = np.where((src_layouts == 1).all(axis=1)[:, None], 0.0, fwd)  # whole -> split: a local cut
@@ -506,5 +526,9 @@ class AnalyticCostModel:
         bw = np.array([lv.move_bandwidth for lv in self.cluster.levels])[level]
         lat = np.array([lv.move_latency for lv in self.cluster.levels])[level]
         moves = np.where(fwd > 0, lat + fwd / bw, 0.0) + np.where(bwd > 0, lat + bwd / bw, 0.0)
+        # concatenations after inner gathers and copies of inner cuts, both ways: read + write each
+        copies = (inner_copy_words(tensor.shape, src_layouts, dst_layouts)
+                  + inner_copy_words(tensor.shape, dst_layouts, src_layouts).T) * tensor.dtype_bytes
         changed = (src_layouts[:, None, :] != dst_layouts[None, :, :]).any(axis=2)
-        return moves + np.where(changed, 2.0 * self.cluster.device.redistribute_overhead, 0.0)
+        return (moves + 2.0 * copies / self.cluster.device.kernel_bandwidth
+                + np.where(changed, 2.0 * self.cluster.device.redistribute_overhead, 0.0))

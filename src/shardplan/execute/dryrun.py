@@ -20,6 +20,7 @@ numbers are not computed, so nothing is compared with single device (that is ``r
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass
 
@@ -56,6 +57,8 @@ class DryRun:
     devices: int
     mesh: tuple[int, ...]
     collectives: tuple[Collective, ...]
+    copy_bytes: int
+    """Bytes rank 0's redistributions copied locally in the step (concatenations, cut-out copies)."""
     seconds: float
     """Wall time of the apply and the step here (fake tensors: host work only, no arithmetic)."""
 
@@ -70,7 +73,7 @@ class DryRun:
 
     def to_dict(self) -> dict:
         return {"devices": self.devices, "mesh": list(self.mesh), "seconds": self.seconds,
-                "collectives": self.summary(),
+                "collectives": self.summary(), "redistribution_copy_bytes": self.copy_bytes,
                 "by_phase": {p: sum(c.phase == p for c in self.collectives)
                              for p in ("forward", "backward", "gradients")}}
 
@@ -88,16 +91,39 @@ def _group_size(name: str, args) -> int:
     return dist.get_world_size()
 
 
+COPIES = frozenset({"cat", "clone", "copy_", "contiguous"})
+"""aten calls that copy data; counted when a redistribution makes them (``CollectiveRecorder``)."""
+
+
+def _in_redistribution() -> bool:
+    """Whether the current call comes from DTensor's redistribution of a local tensor (its
+    ``redistribute_local_tensor``, which every planned move and every propagation cut goes through)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "redistribute_local_tensor":
+            return True
+        frame = frame.f_back
+    return False
+
+
 class CollectiveRecorder(TorchDispatchMode):
-    """Records every collective dispatched while it is active, with the phase set by the caller."""
+    """Records every collective dispatched while it is active, with the phase set by the caller, and
+    the bytes the redistributions copy locally (``copy_bytes``: the concatenations after inner
+    gathers and the copies of inner cuts, which ``cost.analytic.inner_copy_words`` prices)."""
 
     def __init__(self):
         super().__init__()
         self.phase = "forward"
         self.seen: list[Collective] = []
+        self.copy_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if name in COPIES:
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and _in_redistribution():
+                self.copy_bytes += out.numel() * out.element_size()
+            return out
         kind = KINDS.get(name)
         if kind is not None:
             first = args[0]
@@ -148,26 +174,34 @@ def dry_run(model: str, config: str, batch: int, seq: int, plan) -> DryRun:
     """Apply ``plan`` to the built-in or Hugging Face ``model`` (as ``shardplan run`` builds it) on a
     fake process group of ``plan.devices`` ranks and run one training step in fake tensors; returns
     the step's collectives. A plan the runtime cannot run raises the runtime's error."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-
     from shardplan.capture import capture
     from shardplan.capture.models import build, parse_config
-    from shardplan.execute.apply import apply, choose_mesh
-    from shardplan.execute.worker import _loss
 
-    t0 = time.perf_counter()
     size = parse_config(config)
     with torch.device("meta"):  # the graph from shapes alone
         module, kwargs = build(model, batch=batch, seq=seq, **size)
     graph = capture(module, (), kwargs, name=model)
+    return dry_run_module(lambda: build(model, batch=batch, seq=seq, **size), graph, plan)
+
+
+def dry_run_module(make, graph, plan) -> DryRun:
+    """:func:`dry_run` of any model: ``make()`` returns ``(module, forward kwargs)`` and is called
+    under ``FakeTensorMode`` (so its weights and inputs are fake); ``graph`` is the module's capture,
+    which ``plan`` was made for."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardplan.execute.apply import apply, choose_mesh
+    from shardplan.execute.worker import _loss
+
+    t0 = time.perf_counter()
     mesh_shape = choose_mesh(graph, plan)
     recorder = CollectiveRecorder()
     with fake_world(plan.devices), _fake_safe_kernels():
         mesh = init_device_mesh("cpu", mesh_shape)  # outside the fake mode: the mesh's rank table is real
         with FakeTensorMode(allow_non_fake_inputs=True):
             torch.manual_seed(0)
-            module, kwargs = build(model, batch=batch, seq=seq, **size)
+            module, kwargs = make()
             module.eval()
             pm = apply(module, graph, plan, mesh)
             with recorder:
@@ -177,4 +211,5 @@ def dry_run(model: str, config: str, batch: int, seq: int, plan) -> DryRun:
                     loss.backward()
                     recorder.phase = "gradients"
                     pm.reduce_gradients()
-    return DryRun(plan.devices, tuple(mesh_shape), tuple(recorder.seen), time.perf_counter() - t0)
+    return DryRun(plan.devices, tuple(mesh_shape), tuple(recorder.seen), recorder.copy_bytes,
+                  time.perf_counter() - t0)

@@ -80,8 +80,12 @@ def _plan(args: argparse.Namespace) -> int:
     _positive("--time-limit", args.time_limit)
     _positive("--memory-limit", args.memory_limit)
     model, cluster, devices = _cost_model(args)
+    if args.verify and not (args.hf or args.module):
+        raise UsageError("--verify runs the plan on the PyTorch model: give --hf or --module")
     graph = _graph(args)
     if model.name == "analytic" and (args.pipeline or _needs_pipeline(graph, cluster)):
+        if args.verify:
+            raise UsageError("--verify runs SPMD plans; a pipeline plan needs its stages' processes")
         return _plan_pipeline(args, graph, cluster, devices)
     limit = None
     if args.memory_limit is not None:
@@ -114,13 +118,45 @@ def _plan(args: argparse.Namespace) -> int:
         from shardplan.cost.step import step_seconds
 
         step = out["predicted_step_seconds"] = step_seconds(model, tables, solution.choice)
+    if args.verify:
+        out["verified"] = _verify(args, graph, plan).to_dict()
     if _write_json(args, out):
         return 0
     _print(plan, graph, details, solution, limit, tables)
     if step is not None:
         print(f"predicted step: {step:.6g} s (the cost with the cluster's sync_jitter waits at this plan's "
               f"sync points in place of the per-op stretch; what shardplan run predicts)")
+    if args.verify:
+        v = out["verified"]
+        print(f"verified: the plan applies and steps on {v['devices']} ranks (mesh "
+              f"{'x'.join(map(str, v['mesh']))}; fake process group and tensors, {v['seconds']:.3g} s); per step "
+              f"rank 0 issues {_collectives(v)}")
     return 0
+
+
+def _verify(args: argparse.Namespace, graph, plan):
+    """``plan --verify``: the plan applied to the --hf/--module model and stepped on a fake process
+    group (``execute.dryrun``); a plan the runtime cannot run is refused with the runtime's reason."""
+    from shardplan.capture.models import load_hf, load_module, parse_config
+    from shardplan.execute.apply import ApplyError, check, choose_mesh
+    from shardplan.execute.dryrun import dry_run_module
+
+    if args.hf:
+        def make():
+            return load_hf(args.hf, parse_config(args.hf_config), batch=args.batch or 8, seq=args.seq or 128,
+                           meta=False)[:2]
+    else:
+        def make():
+            return load_module(args.module, args.input_shape, batch=args.batch)[:2]
+    try:
+        check(graph, plan, choose_mesh(graph, plan))
+        return dry_run_module(make, graph, plan)
+    except ApplyError as exc:
+        raise UsageError(f"the plan cannot be applied: {exc}") from None
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the runtime's reason, named, instead of a traceback
+        raise UsageError(f"the plan does not run on {plan.devices} ranks: {_reason(exc)}") from None
 
 
 GPT3_BATCH = {"125m": 256, "350m": 256, "760m": 256, "1.3b": 512, "2.7b": 512, "6.7b": 1024, "13b": 1024,
@@ -366,6 +402,18 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
+def _collectives(dry: dict) -> str:
+    """A dry run's collectives (``DryRun.to_dict()``) in words: "28 all_reduce (14.7 MB), ..."."""
+    return ", ".join(f"{c['count']} {k} ({_size(c['bytes'])})" for k, c in dry["collectives"].items()) or \
+        "no collectives"
+
+
+def _reason(exc: Exception) -> str:
+    """The runtime's refusal in one line: its type and its message's first line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: int) -> int:
     """``shardplan run --dry-run``: each plan (or the searched one) applied on a fake process group of
     ``--devices`` ranks in this process, one step in fake tensors (``execute.dryrun``); the collectives
@@ -391,8 +439,7 @@ def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: i
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001 - the runtime's reason, named, instead of a traceback
-            raise UsageError(f"{label} does not run on {plan.devices} ranks: {type(exc).__name__}: "
-                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+            raise UsageError(f"{label} does not run on {plan.devices} ranks: {_reason(exc)}") from None
         records.append({"model": model_name, "devices": plan.devices, "plan_file": f,
                         "cluster": cluster.name if cluster else None, "cost_model": cost_model.name,
                         "predicted_step_seconds": predicted, "dry_run": dr.to_dict(),
@@ -401,10 +448,9 @@ def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: i
     if not _write_json(args, out):
         for rec in records:
             d = rec["dry_run"]
-            comms = ", ".join(f"{v['count']} {k} ({_size(v['bytes'])})" for k, v in d["collectives"].items())
             print(f"{rec['plan_file'] or 'searched plan'}: {model_name} on {rec['devices']} ranks (mesh "
                   f"{'x'.join(map(str, d['mesh']))}) runs: one step in {d['seconds']:.3g} s here (fake tensors); "
-                  f"per step rank 0 issues {comms or 'no collectives'}; predicted "
+                  f"per step rank 0 issues {_collectives(d)}; predicted "
                   f"{rec['predicted_step_seconds']:.4g} s/step ({cost_model.name} on {rec['cluster']})")
     return 0
 
@@ -565,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the plan as JSON to FILE, or - for stdout")
     p.add_argument("--pipeline", action="store_true",
                    help="use the pipeline planner (chosen anyway when the model states do not fit one node)")
+    p.add_argument("--verify", action="store_true",
+                   help="--hf/--module: apply the plan and run one step on a fake process group of --devices "
+                        "ranks in fake tensors (no processes, no weight memory); lists its collectives")
     r = sub.add_parser("run", help="train K steps of a plan with torchrun and compare with the prediction")
     r.add_argument("--model", default=None, help="torch_mlp, torch_cnn, gpt2, llama or bert (small configs)")
     r.add_argument("--hf", default=None, help="a Hugging Face family (small default config; see --hf-config)")
