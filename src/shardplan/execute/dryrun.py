@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
-         "allgather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-         "all_to_all_single": "all_to_all", "broadcast_": "broadcast"}
+         "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all", "broadcast_": "broadcast"}
 """aten collectives (functional ones, as DTensor issues them, and c10d's in-place ones, as the
-gradient buckets are reduced) by the kind the cost model prices (``cluster.model.collective_seconds``)."""
+gradient buckets are reduced and inputs are broadcast) by the kind the cost model prices
+(``cluster.model.collective_seconds``; a broadcast is listed, not priced)."""
 
 
 @dataclass(frozen=True)
