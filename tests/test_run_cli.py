@@ -194,6 +194,23 @@ def test_fit_sync_jitter_recovers_the_jitter_a_step_was_priced_at():
     assert fit_sync_jitter(seconds / 10, graph, other, 4, tensor_parallel) == 0.0
 
 
+def test_paired_times_and_the_typical_step():
+    """Two steps of 2 and 6 ms taken round-robin on 2 threaded ranks: each one's best and median come
+    back in order; the typical step scales a sync-heavy probe's median by the replicated probe's
+    best / median (the slowdown of the moment, shared by both), by hand."""
+    import time
+
+    from shardplan.execute.probes import paired_times, typical_step
+    from shardplan.execute.threaded import run_threaded
+
+    per_rank = run_threaded(2, lambda rank: paired_times([lambda: time.sleep(0.002), lambda: time.sleep(0.006)],
+                                                         rounds=5))
+    for (short_best, short_median), (long_best, long_median) in per_rank:
+        assert 0.002 <= short_best <= short_median < long_best <= long_median
+    assert per_rank[0] == per_rank[1]  # the slowest rank's time, the same on every rank
+    assert typical_step((0.100, 0.125), (0.080, 0.088)) == pytest.approx(0.125 * 0.080 / 0.088)
+
+
 def test_jitter_law_finds_the_horizon_the_waits_stop_growing_at():
     """Waits of 0.01 sqrt(T) up to 16 ms and flat beyond fit a horizon of 16 ms; waits that keep
     growing as the square root fit none; the horizon caps the walk's waits (``jitter_waits``)."""

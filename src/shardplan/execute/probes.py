@@ -54,6 +54,36 @@ def local_time(fn, reps: int, inner: int = 8) -> float:
     return min(times)
 
 
+def paired_times(steps, rounds: int) -> list[tuple[float, float]]:
+    """(best, median) seconds of each of ``steps`` over ``rounds`` rounds that run one step of each,
+    round-robin (so the machine's state of the moment is shared by the steps of a round, as in
+    ``shardplan run --plan A --plan B``); every step timed from a common barrier, the slowest rank's
+    time kept."""
+    for step in steps:
+        step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for i, step in enumerate(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            took = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            times[i].append(float(took))
+    return [(min(t), statistics.median(t)) for t in times]
+
+
+def typical_step(tp: tuple[float, float], replicated: tuple[float, float]) -> float:
+    """A sync-heavy probe's typical step, less the slowdown every step of the moment shares:
+    ``median_tp x best_rep / median_rep`` (``(best, median)`` pairs from :func:`paired_times`).
+
+    The rates are the best repetitions' (a quiet machine's), and the waits at sync points are what
+    a typical step adds to them: the fastest of 20 steps is one whose ranks happened to stay in step
+    (session 18: tensor parallel's median is 1.12-1.25x its best where replicated's is 1.07x, and
+    the fitted jitter moved 0.006-0.029 between calibrations with the best step's luck)."""
+    return tp[1] * replicated[0] / replicated[1]
+
+
 PROBE = dict(batch=4, seq=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=512)
 """The Llama whose step, less its modelled arithmetic, calibrates the dispatch cost: small enough to be
