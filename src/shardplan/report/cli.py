@@ -1,36 +1,26 @@
 """The ``shardplan`` command line: ``plan``, ``run``, ``calibrate``, ``compare``, ``simulate``, ``models``
-and ``clusters``."""
+and ``clusters``. The commands that run plans on PyTorch (``run``, ``calibrate``, ``plan --verify``)
+live in ``report.runtime``; what all commands share in ``report.common``."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
 
 from shardplan.cluster import PRESETS, ClusterError, get_cluster
 from shardplan.cluster.presets import DESCRIPTIONS
-from shardplan.cost.analytic import AnalyticCostModel
-from shardplan.cost.pase import PaseCostModel
 from shardplan.cost.tables import build_tables
 from shardplan.plan import Plan
+from shardplan.report import runtime
+from shardplan.report.common import DEFAULT_CLUSTER, UsageError
+from shardplan.report.common import cost_model as _cost_model
+from shardplan.report.common import positive as _positive
+from shardplan.report.common import write_json as _write_json
 from shardplan.search.baselines import all_baselines
 from shardplan.search.solve import GIB, PlanDoesNotFit, memory_of, solve
 from shardplan.zoo import MODELS, build_model, model_sizes
-
-COST_MODELS = ("analytic", "pase")
-DEFAULT_CLUSTER = "dgx-a100"
-
-
-class UsageError(Exception):
-    pass
-
-
-def _positive(flag: str, value):
-    if value is not None and value <= 0:
-        raise UsageError(f"{flag} must be positive, got {value}")
-
 
 OUTPUT_FLAGS = ("json", "out", "trace", "png")
 """The flags that name a file a command writes (``-`` for stdout where the flag allows it)."""
@@ -50,30 +40,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"--{flag} {path}: is a directory, not a file")
         if not os.path.isdir(folder):
             raise UsageError(f"--{flag} {path}: directory {folder} does not exist")
-
-
-def _cost_model(args: argparse.Namespace):
-    """(cost model, cluster or None, devices) from the flags."""
-    if args.cost_model not in COST_MODELS:
-        raise UsageError(f"unknown cost model {args.cost_model!r}; available: {', '.join(COST_MODELS)}")
-    _positive("--devices", args.devices)
-    _positive("--nodes", args.nodes)
-    cluster = None
-    if args.cluster is not None or args.cost_model == "analytic" or args.nodes is not None:
-        try:
-            cluster = get_cluster(args.cluster or DEFAULT_CLUSTER, nodes=args.nodes, devices=args.devices)
-        except ClusterError as exc:
-            raise UsageError(str(exc)) from None
-    devices = args.devices
-    if devices is None:
-        if cluster is None or (args.nodes is None and args.cluster in (None, *PRESETS)):
-            raise UsageError("--devices is required (or give --nodes, or a cluster file, to use a whole cluster)")
-        devices = cluster.num_devices
-    if args.cost_model == "pase":
-        if cluster is None:
-            return PaseCostModel(), None, devices
-        return PaseCostModel.from_machine(cluster.device.peak_flops, cluster.levels[0].bandwidth), cluster, devices
-    return AnalyticCostModel(cluster), cluster, devices
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -119,7 +85,7 @@ def _plan(args: argparse.Namespace) -> int:
 
         step = out["predicted_step_seconds"] = step_seconds(model, tables, solution.choice)
     if args.verify:
-        out["verified"] = _verify(args, graph, plan).to_dict()
+        out["verified"] = runtime.verify(args, graph, plan).to_dict()
     if _write_json(args, out):
         return 0
     _print(plan, graph, details, solution, limit, tables)
@@ -130,50 +96,14 @@ def _plan(args: argparse.Namespace) -> int:
         v = out["verified"]
         print(f"verified: the plan applies and steps on {v['devices']} ranks (mesh "
               f"{'x'.join(map(str, v['mesh']))}; fake process group and tensors, {v['seconds']:.3g} s); per step "
-              f"rank 0 issues {_collectives(v)}")
+              f"rank 0 issues {runtime.describe_collectives(v)}")
     return 0
-
-
-def _verify(args: argparse.Namespace, graph, plan):
-    """``plan --verify``: the plan applied to the --hf/--module model and stepped on a fake process
-    group (``execute.dryrun``); a plan the runtime cannot run is refused with the runtime's reason."""
-    from shardplan.capture.models import load_hf, load_module, parse_config
-    from shardplan.execute.apply import ApplyError, check, choose_mesh
-    from shardplan.execute.dryrun import dry_run_module
-
-    if args.hf:
-        def make():
-            return load_hf(args.hf, parse_config(args.hf_config), batch=args.batch or 8, seq=args.seq or 128,
-                           meta=False)[:2]
-    else:
-        def make():
-            return load_module(args.module, args.input_shape, batch=args.batch)[:2]
-    try:
-        check(graph, plan, choose_mesh(graph, plan))
-        return dry_run_module(make, graph, plan)
-    except ApplyError as exc:
-        raise UsageError(f"the plan cannot be applied: {exc}") from None
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the runtime's reason, named, instead of a traceback
-        raise UsageError(f"the plan does not run on {plan.devices} ranks: {_reason(exc)}") from None
 
 
 GPT3_BATCH = {"125m": 256, "350m": 256, "760m": 256, "1.3b": 512, "2.7b": 512, "6.7b": 1024, "13b": 1024,
               "175b": 1536, "530b": 1920}
 """GPT-3's batch sizes in sequences of 2048 (Brown et al. 2020, Table 2.1: 0.5M ... 3.2M tokens);
 530B: MT-NLG's final batch of 1920 sequences (Smith et al. 2022)."""
-
-
-def _write_json(args, out: dict) -> bool:
-    """``--json -`` prints ``out`` and returns True (nothing else is printed); ``--json FILE`` writes it."""
-    if args.json == "-":
-        print(json.dumps(out))
-        return True
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
-    return False
 
 
 def _needs_pipeline(graph, cluster) -> bool:
@@ -314,207 +244,6 @@ def _print(plan: Plan, graph, details, solution, limit, tables) -> None:
     for name, d in details.items():
         fits = "" if d["fits"] else ", does not fit in memory"
         console.print(f"speedup over {name}: {d['speedup']:.3f}x  ({name} cost {d['cost']:.6g}{fits})")
-
-
-def _run(args: argparse.Namespace) -> int:
-    """``shardplan run``: plan (or load a plan), refuse bad ones, torchrun the steps, report."""
-    _positive("--steps", args.steps)
-    _positive("--batch", args.batch)
-    _positive("--seq", args.seq)
-    model_name = args.hf or args.model
-    if not model_name:
-        raise UsageError("give --model NAME or --hf NAME")
-    try:
-        from shardplan.execute.apply import ApplyError
-        from shardplan.execute.launch import RUN_OPTIMIZER, launch, prepare
-    except ImportError as exc:
-        raise UsageError(f"shardplan run needs PyTorch: pip install 'shardplan[torch]' ({exc})") from None
-    from shardplan.plan import PlanError
-
-    from shardplan.execute.launch import is_pipeline_plan, launch_pipeline, prepare_pipeline
-
-    cost_model, cluster, devices = _cost_model(args)
-    if isinstance(cost_model, AnalyticCostModel):  # price the update and memory of what the run trains with
-        cost_model = dataclasses.replace(cost_model, optimizer=RUN_OPTIMIZER)
-    files = args.plan or [None]
-    if args.dry_run:
-        return _dry_run(args, model_name, files, cost_model, cluster, devices)
-    if len(files) > 1:
-        return _run_several(args, model_name, files, cost_model, cluster, devices)
-    try:
-        pipeline = args.pipeline or is_pipeline_plan(files[0])
-        if pipeline:
-            if cluster is None:
-                raise UsageError("pipeline plans are priced by the analytic model: give --cost-model analytic")
-            plan, predicted = prepare_pipeline(model_name, args.hf_config, args.batch, args.seq, devices, cluster,
-                                               files[0])
-        else:
-            plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model,
-                                      files[0])
-    except (ApplyError, PlanError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
-    try:
-        go = launch_pipeline if pipeline else launch
-        result = go(model_name, args.hf_config, args.batch, args.seq, plan, args.steps, args.check)
-    except RuntimeError as exc:
-        raise UsageError(str(exc)) from None
-    out = _run_record(args, model_name, devices, cluster, cost_model.name, plan, predicted, result, pipeline)
-    out["ok"], out["errors"] = result.get("ok"), result.get("rank_errors", [])
-    if not _write_json(args, out):
-        _print_run(args, out, cost_model.name)
-        for e in out["errors"]:
-            print(f"  {e}")
-    if not result.get("ok") or (args.check and not out["check"].get("passed")):
-        return 1
-    return 0
-
-
-def _run_record(args, model_name, devices, cluster, cost_model_name, plan, predicted, result, pipeline=False) -> dict:
-    """The JSON record of one plan's run: prediction, measured step times, check, the plan."""
-    out = {"model": model_name, "devices": devices, "cluster": cluster.name if cluster else None,
-           "cost_model": "analytic" if pipeline else cost_model_name, "predicted_step_seconds": predicted,
-           "measured_step_seconds": result.get("measured_step_seconds"),
-           "best_step_seconds": result.get("best_step_seconds"), "steps": args.steps,
-           "step_seconds": result.get("step_seconds"),
-           "plan": plan.to_dict()["stages" if pipeline else "layers"]}
-    if pipeline:
-        out.update(kind="pipeline", schedule=plan.schedule, num_microbatches=plan.num_microbatches,
-                   chunks=plan.chunks)
-    if args.check:
-        out["check"] = result.get("check", {"passed": False, "max_rel_diff": None})
-    return out
-
-
-def _print_run(args, out: dict, cost_model_name: str, label: str = "") -> None:
-    print(f"{label}{out['model']} on {out['devices']} ranks: measured {out['measured_step_seconds']} s/step "
-          f"(best {out['best_step_seconds']}), predicted {out['predicted_step_seconds']:.4g} s/step "
-          f"({cost_model_name} on {out['cluster']})")
-    if args.check:
-        c = out["check"]
-        print(f"{label}check against single device: {'passed' if c.get('passed') else 'FAILED'} "
-              f"(max relative difference {c.get('max_rel_diff')})")
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def _collectives(dry: dict) -> str:
-    """A dry run's collectives (``DryRun.to_dict()``) in words: "28 all_reduce (14.7 MB), ..."."""
-    return ", ".join(f"{c['count']} {k} ({_size(c['bytes'])})" for k, c in dry["collectives"].items()) or \
-        "no collectives"
-
-
-def _reason(exc: Exception) -> str:
-    """The runtime's refusal in one line: its type and its message's first line."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: int) -> int:
-    """``shardplan run --dry-run``: each plan (or the searched one) applied on a fake process group of
-    ``--devices`` ranks in this process, one step in fake tensors (``execute.dryrun``); the collectives
-    rank 0 issues per step, beside the prediction. Nothing is measured or checked numerically."""
-    from shardplan.execute.apply import ApplyError
-    from shardplan.execute.dryrun import dry_run
-    from shardplan.execute.launch import is_pipeline_plan, prepare
-    from shardplan.plan import PlanError
-
-    if args.check:
-        raise UsageError("--dry-run computes no numbers (fake tensors), so there is nothing to --check")
-    if args.pipeline or any(is_pipeline_plan(f) for f in files):
-        raise UsageError("--dry-run runs SPMD plans; a pipeline plan needs its stages' processes")
-    records = []
-    for f in files:
-        label = f or "the searched plan"
-        try:
-            plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model, f)
-        except (ApplyError, PlanError, ValueError) as exc:
-            raise UsageError(f"{label}: {exc}" if f else str(exc)) from None
-        try:
-            dr = dry_run(model_name, args.hf_config, args.batch, args.seq, plan)
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the runtime's reason, named, instead of a traceback
-            raise UsageError(f"{label} does not run on {plan.devices} ranks: {_reason(exc)}") from None
-        records.append({"model": model_name, "devices": plan.devices, "plan_file": f,
-                        "cluster": cluster.name if cluster else None, "cost_model": cost_model.name,
-                        "predicted_step_seconds": predicted, "dry_run": dr.to_dict(),
-                        "plan": plan.to_dict()["layers"]})
-    out = records[0] if len(records) == 1 else {"model": model_name, "devices": devices, "plans": records}
-    if not _write_json(args, out):
-        for rec in records:
-            d = rec["dry_run"]
-            print(f"{rec['plan_file'] or 'searched plan'}: {model_name} on {rec['devices']} ranks (mesh "
-                  f"{'x'.join(map(str, d['mesh']))}) runs: one step in {d['seconds']:.3g} s here (fake tensors); "
-                  f"per step rank 0 issues {_collectives(d)}; predicted "
-                  f"{rec['predicted_step_seconds']:.4g} s/step ({cost_model.name} on {rec['cluster']})")
-    return 0
-
-
-def _run_several(args, model_name: str, files: list[str], cost_model, cluster, devices: int) -> int:
-    """``shardplan run --plan A --plan B ...``: one launch, the plans' steps interleaved round-robin
-    (each on its own copy of the model), one record per plan under ``"plans"``."""
-    from shardplan.execute.apply import ApplyError
-    from shardplan.execute.launch import is_pipeline_plan, launch, prepare
-    from shardplan.plan import PlanError
-
-    if args.pipeline or any(is_pipeline_plan(f) for f in files):
-        raise UsageError("several --plan files run SPMD plans only; run a pipeline plan on its own")
-    prepared = []
-    for f in files:
-        try:
-            prepared.append(prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model, f))
-        except (ApplyError, PlanError, ValueError) as exc:
-            raise UsageError(f"{f}: {exc}") from None
-    try:
-        result = launch(model_name, args.hf_config, args.batch, args.seq, [p for p, _ in prepared], args.steps,
-                        args.check)
-    except RuntimeError as exc:
-        raise UsageError(str(exc)) from None
-    per_plan = result.get("plans") or [{} for _ in files]
-    records = []
-    for f, (plan, predicted), r in zip(files, prepared, per_plan):
-        rec = _run_record(args, model_name, devices, cluster, cost_model.name, plan, predicted, r)
-        rec["plan_file"] = f
-        records.append(rec)
-    out = {"model": model_name, "devices": devices, "interleaved": True, "ok": result.get("ok"),
-           "errors": result.get("rank_errors", []), "plans": records}
-    if not _write_json(args, out):
-        for f, rec in zip(files, records):
-            _print_run(args, rec, cost_model.name, label=f"{f}: ")
-        for e in out["errors"]:
-            print(f"  {e}")
-    if not result.get("ok") or (args.check and not all(r["check"].get("passed") for r in records)):
-        return 1
-    return 0
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    """``shardplan calibrate``: torchrun the measurements on N ranks and write a cluster file."""
-    _positive("--devices", args.devices)
-    import os
-
-    from shardplan.cluster import load_cluster
-
-    try:
-        from shardplan.execute.launch import last_lines, torchrun
-    except ImportError as exc:
-        raise UsageError(f"shardplan calibrate needs PyTorch: pip install 'shardplan[torch]' ({exc})") from None
-    proc = torchrun(args.devices, "shardplan.execute.calibrate", ["--out", args.out, "--reps", str(args.reps)])
-    if proc.returncode != 0 or not os.path.exists(args.out):
-        raise UsageError(f"calibration failed (torchrun exit {proc.returncode}):\n{last_lines(proc)}")
-    c = load_cluster(args.out)
-    lv = c.levels[0]
-    print(f"wrote {args.out}: {c.device.peak_flops / 1e9:.3g} GFLOP/s matmul per rank (x {c.device.efficiency:.2f} "
-          f"in a step), {c.device.memory_bandwidth / 1e9:.3g} GB/s memory ({c.device.kernel_bandwidth / 1e9:.3g} "
-          f"in a step's kernels), {lv.fanout} ranks: all-reduce {lv.bandwidth / 1e9:.3g} GB/s, latency "
-          f"{lv.latency * 1e6:.3g} us; all-gather {lv.move_bandwidth / 1e9:.3g} GB/s, latency "
-          f"{lv.move_latency * 1e6:.3g} us; redistribution {c.device.redistribute_overhead * 1e6:.3g} us")
-    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -676,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{c.device.memory_bytes / 1e9:g} GB; {lv})")
             return 0
         if args.command == "calibrate":
-            return _calibrate(args)
+            return runtime.calibrate(args)
         if args.command == "run":
-            return _run(args)
+            return runtime.run(args)
         if args.command == "compare":
             return _compare(args)
         if args.command == "simulate":
