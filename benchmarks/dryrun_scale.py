@@ -1,0 +1,75 @@
+"""Plans for many ranks, checked in one process (prints a table, not a test).
+
+    python benchmarks/dryrun_scale.py [--devices 8,64,256] [--layers 2]
+
+For a Llama as wide as Llama-7B (hidden 4096, MLP 11008, 32 heads, vocabulary 32000; ``--layers``
+deep), batch ``devices`` x 512 tokens: the searched plan for each device count on the DGX-A100
+preset, laid on its mesh (``execute.apply.choose_mesh``) and stepped once as rank 0 of a fake
+process group in fake tensors (``execute.dryrun``: no weights in memory, no arithmetic, no
+processes). Printed per device count: the search's time, the mesh, the dry run's time and the
+collectives rank 0 issued in the step, by kind (count and bytes). What takes the time is DTensor's
+sharding propagation on rank 0's shapes, which grows with the mesh's axes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from shardplan.capture import capture
+from shardplan.capture.models import build, parse_config
+from shardplan.cluster import get_cluster
+from shardplan.cost.analytic import AnalyticCostModel
+from shardplan.cost.tables import build_tables
+from shardplan.execute.apply import choose_mesh
+from shardplan.execute.dryrun import dry_run
+from shardplan.execute.launch import RUN_OPTIMIZER
+from shardplan.plan import Plan
+from shardplan.search.solve import solve
+
+WIDTH = "hidden_size=4096,intermediate_size=11008,num_attention_heads=32,num_key_value_heads=32,vocab_size=32000"
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", default="8,64,256", help="comma-separated device counts")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=512)
+    args = ap.parse_args()
+    config = f"{WIDTH},num_hidden_layers={args.layers}"
+    print(f"Llama 4096 wide, {args.layers} layers, {args.seq} tokens per sequence, batch = devices; "
+          f"searched on dgx-a100; one dry-run step as rank 0 of a fake process group\n")
+    print("| devices | batch | search s | mesh | dry run s | collectives per step (rank 0) |")
+    print("|---|---|---|---|---|---|")
+    for devices in (int(d) for d in args.devices.split(",")):
+        batch = devices
+        with torch.device("meta"):
+            module, kwargs = build("llama", batch=batch, seq=args.seq, **parse_config(config))
+        graph = capture(module, (), kwargs, name="llama")
+        model = AnalyticCostModel(get_cluster("dgx-a100", devices=devices), optimizer=RUN_OPTIMIZER)
+        t0 = time.perf_counter()
+        tables = build_tables(graph, model, devices)
+        plan = Plan.from_choice(tables, list(solve(tables, model=model).choice))
+        search = time.perf_counter() - t0
+        mesh = choose_mesh(graph, plan)
+        t0 = time.perf_counter()
+        run = dry_run("llama", config, batch, args.seq, plan)
+        seconds = time.perf_counter() - t0
+        comms = ", ".join(f"{v['count']} {k} ({_bytes(v['bytes'])})" for k, v in run.summary().items())
+        assert math.prod(mesh) == devices
+        print(f"| {devices} | {batch} | {search:.1f} | {'x'.join(map(str, mesh))} | {seconds:.1f} | {comms} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
