@@ -28,16 +28,10 @@ from shardplan.execute.apply import choose_mesh
 from shardplan.execute.dryrun import dry_run
 from shardplan.execute.launch import RUN_OPTIMIZER
 from shardplan.plan import Plan
+from shardplan.report.runtime import human_bytes
 from shardplan.search.solve import solve
 
 WIDTH = "hidden_size=4096,intermediate_size=11008,num_attention_heads=32,num_key_value_heads=32,vocab_size=32000"
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def main() -> None:
@@ -65,7 +59,7 @@ def main() -> None:
         t0 = time.perf_counter()
         run = dry_run("llama", config, batch, args.seq, plan)
         seconds = time.perf_counter() - t0
-        comms = ", ".join(f"{v['count']} {k} ({_bytes(v['bytes'])})" for k, v in run.summary().items())
+        comms = ", ".join(f"{v['count']} {k} ({human_bytes(v['bytes'])})" for k, v in run.summary().items())
         assert math.prod(mesh) == devices
         print(f"| {devices} | {batch} | {search:.1f} | {'x'.join(map(str, mesh))} | {seconds:.1f} | {comms} |",
               flush=True)

@@ -116,7 +116,8 @@ def _print_run(args, out: dict, cost_model_name: str, label: str = "") -> None:
               f"(max relative difference {c.get('max_rel_diff')})")
 
 
-def _size(nbytes: float) -> str:
+def human_bytes(nbytes: float) -> str:
+    """Bytes in words: "14.7 MB"."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
@@ -125,7 +126,7 @@ def _size(nbytes: float) -> str:
 
 def describe_collectives(dry: dict) -> str:
     """A dry run's collectives (``DryRun.to_dict()``) in words: "28 all_reduce (14.7 MB), ..."."""
-    return ", ".join(f"{c['count']} {k} ({_size(c['bytes'])})" for k, c in dry["collectives"].items()) or \
+    return ", ".join(f"{c['count']} {k} ({human_bytes(c['bytes'])})" for k, c in dry["collectives"].items()) or \
         "no collectives"
 
 
