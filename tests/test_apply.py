@@ -61,7 +61,12 @@ def assert_matches(results, ref_loss, ref_grads):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert set(grads) == set(ref_grads)
         for n, g in grads.items():
-            assert torch.allclose(g, ref_grads[n], rtol=1e-5, atol=1e-6 * scale), n
+            if not torch.allclose(g, ref_grads[n], rtol=1e-5, atol=1e-6 * scale):
+                bad = (g - ref_grads[n]).abs() > 1e-6 * scale + 1e-5 * ref_grads[n].abs()
+                worst = int(((g - ref_grads[n]).abs() * bad).argmax())
+                pytest.fail(f"{n}: {int(bad.sum())} of {g.numel()} elements off, worst "
+                            f"{float(g.flatten()[worst]):.9g} against {float(ref_grads[n].flatten()[worst]):.9g} "
+                            f"(atol {1e-6 * scale:.3g}, rtol 1e-5)")
 
 
 def make_plan(graph, which, devices):
