@@ -170,17 +170,16 @@ def _fake_safe_kernels():
         yield
 
 
-def dry_run(model: str, config: str, batch: int, seq: int, plan) -> DryRun:
+def dry_run(model: str, config: str, batch: int, seq: int, plan, graph=None) -> DryRun:
     """Apply ``plan`` to the built-in or Hugging Face ``model`` (as ``shardplan run`` builds it) on a
     fake process group of ``plan.devices`` ranks and run one training step in fake tensors; returns
-    the step's collectives. A plan the runtime cannot run raises the runtime's error."""
-    from shardplan.capture import capture
+    the step's collectives. A plan the runtime cannot run raises the runtime's error. ``graph``: the
+    model's capture (``execute.launch.capture_model``) when the caller has it already."""
     from shardplan.capture.models import build, parse_config
+    from shardplan.execute.launch import capture_model
 
+    graph = graph if graph is not None else capture_model(model, config, batch, seq)
     size = parse_config(config)
-    with torch.device("meta"):  # the graph from shapes alone
-        module, kwargs = build(model, batch=batch, seq=seq, **size)
-    graph = capture(module, (), kwargs, name=model)
     return dry_run_module(lambda: build(model, batch=batch, seq=seq, **size), graph, plan)
 
 

@@ -41,13 +41,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_model, plan_file: str | None):
-    """(plan, predicted seconds) after every check that can fail before a process starts."""
+def capture_model(model: str, config: str, batch: int, seq: int):
+    """The graph of a runnable model as ``shardplan run`` builds it, captured on the meta device
+    (shapes are all the graph needs: no weight memory, however large the model)."""
     if model not in RUNNABLE:
         raise ApplyError(f"shardplan run knows models {', '.join(RUNNABLE)}; got {model!r}")
-    with torch.device("meta"):  # shapes are all the graph needs: no weight memory, however large the model
+    with torch.device("meta"):
         module, kwargs = build(model, batch=batch, seq=seq, **parse_config(config))
-    graph = capture(module, (), kwargs, name=model)
+    return capture(module, (), kwargs, name=model)
+
+
+def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_model, plan_file: str | None,
+            graph=None):
+    """(plan, predicted seconds) after every check that can fail before a process starts; ``graph``:
+    the model's capture when the caller has it already (``capture_model``)."""
+    graph = graph if graph is not None else capture_model(model, config, batch, seq)
     tables = build_tables(graph, cost_model, devices)
     if plan_file:
         plan = Plan.load(plan_file)

@@ -27,15 +27,17 @@ def best_time(fn, reps: int) -> float:
     one-sided (a neighbour only ever slows a call down), so the minimum is the stable figure;
     ``shardplan run`` reports the matching ``best_step_seconds``."""
     fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
-    return min(times)
+    return min(slowest_rank_seconds(fn) for _ in range(reps))
+
+
+def slowest_rank_seconds(fn) -> float:
+    """Seconds of one call of ``fn`` on the slowest rank, every rank starting from a common barrier."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    took = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
 
 
 def local_time(fn, reps: int, inner: int = 8) -> float:
@@ -64,12 +66,7 @@ def paired_times(steps, rounds: int) -> list[tuple[float, float]]:
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(rounds):
         for i, step in enumerate(steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            took = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            times[i].append(float(took))
+            times[i].append(slowest_rank_seconds(step))
     return [(min(t), statistics.median(t)) for t in times]
 
 

@@ -28,13 +28,22 @@ def verify(args: argparse.Namespace, graph, plan):
             return load_module(args.module, args.input_shape, batch=args.batch)[:2]
     try:
         check(graph, plan, choose_mesh(graph, plan))
-        return dry_run_module(make, graph, plan)
     except ApplyError as exc:
         raise UsageError(f"the plan cannot be applied: {exc}") from None
+    return _refused_if_it_fails(lambda: dry_run_module(make, graph, plan), "the plan", plan.devices)
+
+
+def _refused_if_it_fails(dry, label: str, devices: int):
+    """``dry()``'s result; any error the runtime raises in it becomes a one-line usage error naming
+    ``label`` and the runtime's reason, instead of a traceback."""
+    try:
+        return dry()
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - the runtime's reason, named, instead of a traceback
-        raise UsageError(f"the plan does not run on {plan.devices} ranks: {_reason(exc)}") from None
+        text = str(exc).strip()
+        raise UsageError(f"{label} does not run on {devices} ranks: {type(exc).__name__}: "
+                         f"{text.splitlines()[0] if text else ''}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,19 +139,13 @@ def describe_collectives(dry: dict) -> str:
         "no collectives"
 
 
-def _reason(exc: Exception) -> str:
-    """The runtime's refusal in one line: its type and its message's first line."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: int) -> int:
     """``shardplan run --dry-run``: each plan (or the searched one) applied on a fake process group of
     ``--devices`` ranks in this process, one step in fake tensors (``execute.dryrun``); the collectives
     rank 0 issues per step, beside the prediction. Nothing is measured or checked numerically."""
     from shardplan.execute.apply import ApplyError
     from shardplan.execute.dryrun import dry_run
-    from shardplan.execute.launch import is_pipeline_plan, prepare
+    from shardplan.execute.launch import capture_model, is_pipeline_plan, prepare
     from shardplan.plan import PlanError
 
     if args.check:
@@ -150,18 +153,19 @@ def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: i
     if args.pipeline or any(is_pipeline_plan(f) for f in files):
         raise UsageError("--dry-run runs SPMD plans; a pipeline plan needs its stages' processes")
     records = []
+    try:
+        graph = capture_model(model_name, args.hf_config, args.batch, args.seq)  # once for every plan
+    except (ApplyError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
     for f in files:
         label = f or "the searched plan"
         try:
-            plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model, f)
+            plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model, f,
+                                      graph)
         except (ApplyError, PlanError, ValueError) as exc:
             raise UsageError(f"{label}: {exc}" if f else str(exc)) from None
-        try:
-            dr = dry_run(model_name, args.hf_config, args.batch, args.seq, plan)
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the runtime's reason, named, instead of a traceback
-            raise UsageError(f"{label} does not run on {plan.devices} ranks: {_reason(exc)}") from None
+        dr = _refused_if_it_fails(lambda: dry_run(model_name, args.hf_config, args.batch, args.seq, plan, graph),
+                                  label, plan.devices)
         records.append({"model": model_name, "devices": plan.devices, "plan_file": f,
                         "cluster": cluster.name if cluster else None, "cost_model": cost_model.name,
                         "predicted_step_seconds": predicted, "dry_run": dr.to_dict(),
@@ -181,15 +185,20 @@ def _run_several(args, model_name: str, files: list[str], cost_model, cluster, d
     """``shardplan run --plan A --plan B ...``: one launch, the plans' steps interleaved round-robin
     (each on its own copy of the model), one record per plan under ``"plans"``."""
     from shardplan.execute.apply import ApplyError
-    from shardplan.execute.launch import is_pipeline_plan, launch, prepare
+    from shardplan.execute.launch import capture_model, is_pipeline_plan, launch, prepare
     from shardplan.plan import PlanError
 
     if args.pipeline or any(is_pipeline_plan(f) for f in files):
         raise UsageError("several --plan files run SPMD plans only; run a pipeline plan on its own")
+    try:
+        graph = capture_model(model_name, args.hf_config, args.batch, args.seq)  # once for every plan
+    except (ApplyError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
     prepared = []
     for f in files:
         try:
-            prepared.append(prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model, f))
+            prepared.append(prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model, f,
+                                    graph))
         except (ApplyError, PlanError, ValueError) as exc:
             raise UsageError(f"{f}: {exc}") from None
     try:
