@@ -174,3 +174,13 @@ def test_a_64_rank_searched_plan_lays_on_three_mesh_axes_and_steps_in_seconds():
     run = dry_run("llama", config, 64, 64, plan)
     assert run.mesh == mesh and run.collectives
     assert time.perf_counter() - t0 < 60
+
+
+@pytest.mark.parametrize("extra", [["--dry-run"], ["--plan", "other.json"]])
+def test_a_plan_file_that_cannot_be_read_is_refused_in_one_line(tmp_path, capsys, extra):
+    """Several plan files, or a dry run: a missing one is named in one line, not a traceback (the check
+    for pipeline plans opened the files outside the refusal)."""
+    missing = str(tmp_path / "missing.json")
+    assert main(["run", "--model", "torch_mlp", "--plan", missing, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.json" in err[0], err

@@ -33,6 +33,17 @@ def verify(args: argparse.Namespace, graph, plan):
     return _refused_if_it_fails(lambda: dry_run_module(make, graph, plan), "the plan", plan.devices)
 
 
+def _any_pipeline(files) -> bool:
+    """Whether any of the plan files is a pipeline plan; a file that cannot be read is refused."""
+    from shardplan.execute.launch import is_pipeline_plan
+    from shardplan.plan import PlanError
+
+    try:
+        return any(is_pipeline_plan(f) for f in files)
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _refused_if_it_fails(dry, label: str, devices: int):
     """``dry()``'s result; any error the runtime raises in it becomes a one-line usage error naming
     ``label`` and the runtime's reason, instead of a traceback."""
@@ -145,12 +156,12 @@ def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: i
     rank 0 issues per step, beside the prediction. Nothing is measured or checked numerically."""
     from shardplan.execute.apply import ApplyError
     from shardplan.execute.dryrun import dry_run
-    from shardplan.execute.launch import capture_model, is_pipeline_plan, prepare
+    from shardplan.execute.launch import capture_model, prepare
     from shardplan.plan import PlanError
 
     if args.check:
         raise UsageError("--dry-run computes no numbers (fake tensors), so there is nothing to --check")
-    if args.pipeline or any(is_pipeline_plan(f) for f in files):
+    if args.pipeline or _any_pipeline(files):
         raise UsageError("--dry-run runs SPMD plans; a pipeline plan needs its stages' processes")
     records = []
     try:
@@ -185,10 +196,10 @@ def _run_several(args, model_name: str, files: list[str], cost_model, cluster, d
     """``shardplan run --plan A --plan B ...``: one launch, the plans' steps interleaved round-robin
     (each on its own copy of the model), one record per plan under ``"plans"``."""
     from shardplan.execute.apply import ApplyError
-    from shardplan.execute.launch import capture_model, is_pipeline_plan, launch, prepare
+    from shardplan.execute.launch import capture_model, launch, prepare
     from shardplan.plan import PlanError
 
-    if args.pipeline or any(is_pipeline_plan(f) for f in files):
+    if args.pipeline or _any_pipeline(files):
         raise UsageError("several --plan files run SPMD plans only; run a pipeline plan on its own")
     try:
         graph = capture_model(model_name, args.hf_config, args.batch, args.seq)  # once for every plan
