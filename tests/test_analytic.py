@@ -1,5 +1,7 @@
 """The analytic cost model and the cluster model against hand calculations, and the search on it."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -707,6 +709,63 @@ def test_jitter_walk_by_hand():
                          bwd_sync=[True, False, False], moved=[False, True, False], reduces=True, after_backward=9)
     assert waits == {("before fwd", 1): 1.0, ("after fwd", 2): math.sqrt(8), ("inputs bwd", 1): math.sqrt(6),
                      ("after bwd", 0): math.sqrt(2), ("reduce", -1): 0.0, ("end", -1): 3.0}
+
+
+def two_linears_tables(devices=2):
+    b = GraphBuilder("two")
+    x = b.input("x", (64, 256), ("batch", "features"))
+    h = b.linear(x, 256, name="fc1")
+    b.linear(h, 256, name="fc2")
+    graph = b.build()
+    c = cluster(per_node=devices)
+    c = replace(c, device=replace(c.device, sync_jitter=1.0, redistribute_overhead=1e-5))
+    model = AnalyticCostModel(c)
+    return graph, model, build_tables(graph, model, devices)
+
+
+def test_only_collectives_are_sync_points_of_an_edge():
+    """fc1 -> fc2 on 2 devices. Batch-split into whole: the forward is an all-gather, the gradient
+    goes back by a local cut (code 1). Whole into batch-split: a local cut forward, an all-gather of
+    the gradient backward (code 2). Batch-split into feature-split: bytes both ways (3). The same
+    layout both sides: nothing (0). Every changed layout still costs DTensor's host work, so a cost
+    alone does not tell a collective from a local cut."""
+    from shardplan.cost.step import _moved
+
+    graph, model, tables = two_linears_tables()
+    (edge,) = [e for e in tables.edges if e.src == 0 and e.dst == 1]
+    names = graph.ops[0].dim_names, graph.ops[1].dim_names
+
+    def cfg(i, **split):
+        return tables.index_of(i, tuple(split.get(d, 1) for d in names[i]))
+
+    batch, whole = (cfg(0, batch=2), cfg(1, batch=2)), (cfg(0), cfg(1))
+    feature = cfg(1, in_features=2)
+    cases = {(batch[0], whole[1]): 1, (whole[0], batch[1]): 2, (batch[0], feature): 3,
+             (batch[0], batch[1]): 0, (whole[0], whole[1]): 0}
+    for (a, b), code in cases.items():
+        assert edge.sync_code(a, b) == code, (a, b)
+        same = (a, b) in ((batch[0], batch[1]), (whole[0], whole[1]))
+        assert (float(edge.cost[edge.src_class[a], edge.dst_class[b]]) > 0) == (not same)
+        fwd, bwd = _moved(tables, [a, b])
+        assert (fwd[1], bwd[1]) == (bool(code & 1), bool(code & 2))
+
+
+def test_a_local_cut_is_no_sync_point_of_the_walk():
+    """Whole fc1 into batch-split fc2: the edge costs host work and no collective forward, so the
+    forward walk has no sync point before fc2; backward, fc2's input gradient is all-gathered, one
+    sync point; then the reduction of fc2's batch-split weight gradient, and the step's end."""
+    from shardplan.cost.step import StepObjective, _moved, jitter_waits
+
+    graph, model, tables = two_linears_tables()
+    names = [op.dim_names for op in graph.ops]
+    choice = [tables.index_of(0, tuple(1 for _ in names[0])),
+              tables.index_of(1, tuple(2 if d == "batch" else 1 for d in names[1]))]
+    fwd, bwd = _moved(tables, choice)
+    assert (fwd, bwd) == ([False, False], [False, True])
+    so = StepObjective(model, tables, [np.array([c]) for c in choice])
+    waits = jitter_waits(1.0, [float(x[0]) for x in so.parts["fwd"]], [float(x[0]) for x in so.parts["bwd"]],
+                         [False, False], [False, False], fwd, True, 0.0, moved_back=bwd)
+    assert [k for k in waits] == [("inputs bwd", 1), ("reduce", -1), ("end", -1)]
 
 
 def test_bias_gradient_is_whole_under_a_reduction_split():

@@ -501,6 +501,28 @@ class AnalyticCostModel:
         return 2.0 * steps * per_step  # forward and backward
 
     # -- edge costs ----------------------------------------------------------------------------------
+    def edge_bytes(self, tensor: TensorSpec, src_layouts: np.ndarray,
+                   dst_layouts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) bytes one device receives when a tensor moves between every pair of
+        layouts (``(L_src, L_dst)`` arrays): the rules ``edge_costs`` prices. A pair with no byte in a
+        direction is a local cut or no change there: no collective, so no sync point either."""
+        fwd = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
+        bwd = redistribution_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes
+        fwd = np.where((src_layouts == 1).all(axis=1)[:, None], 0.0, fwd)  # whole -> split: a local cut
+        bwd = np.where((dst_layouts == 1).all(axis=1)[None, :], 0.0, bwd)  # the gradient comes back whole
+        if self.cluster.device.all_to_all_by_gather:
+            fwd = np.maximum(fwd, gathered_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes)
+            bwd = np.maximum(bwd, gathered_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes)
+        return fwd, bwd
+
+    def edge_syncs(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
+                   dst_layouts: np.ndarray) -> np.ndarray:
+        """Which directions of each layout pair's move are collectives, as ``(L_src, L_dst)`` codes:
+        bit 0 (1) the forward move, bit 1 (2) the gradient's move back. Only a collective is a sync
+        point of the jitter walk (``cost.step``); a cut, its copies and DTensor's host work are local."""
+        fwd, bwd = self.edge_bytes(tensor, src_layouts, dst_layouts)
+        return (fwd > 0).astype(np.uint8) | ((bwd > 0).astype(np.uint8) << 1)
+
     def edge_costs(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
                    dst_layouts: np.ndarray) -> np.ndarray:
         """Seconds to move a tensor between every pair of layouts and its gradient back: forward, what
@@ -514,13 +536,7 @@ class AnalyticCostModel:
         ``redistribute_overhead``, and each gather or cut along an inner dim its local copy
         (``inner_copy_words``, read and written at ``Device.kernel_bandwidth``; docs/cost_model.md,
         *Redistribution on edges*)."""
-        fwd = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
-        bwd = redistribution_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes
-        fwd = np.where((src_layouts == 1).all(axis=1)[:, None], 0.0, fwd)  # whole -> split: a local cut
-        bwd = np.where((dst_layouts == 1).all(axis=1)[None, :], 0.0, bwd)  # the gradient comes back whole
-        if self.cluster.device.all_to_all_by_gather:
-            fwd = np.maximum(fwd, gathered_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes)
-            bwd = np.maximum(bwd, gathered_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes)
+        fwd, bwd = self.edge_bytes(tensor, src_layouts, dst_layouts)
         span = np.maximum(np.prod(src_layouts, axis=1)[:, None], np.prod(dst_layouts, axis=1)[None, :])
         level = self.cluster.level_of_span(span)
         bw = np.array([lv.move_bandwidth for lv in self.cluster.levels])[level]

@@ -17,18 +17,22 @@ from shardplan.cost.analytic import PER_ITERATION, AnalyticCostModel
 
 
 def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bool,
-                 after_backward: float, horizon: float | None = None) -> dict[tuple[str, int], float]:
+                 after_backward: float, horizon: float | None = None,
+                 moved_back=None) -> dict[tuple[str, int], float]:
     """Seconds waited at each sync point of one training step, in program order (see ``sync_waits``):
     ``{("before fwd", i): s, ("after fwd", i): s, ("after bwd", i): s, ("inputs bwd", i): s,
     ("reduce", -1): s, ("end", -1): s}``, each ``jitter x sqrt(compute since the previous sync
     point)``, the compute counted up to ``horizon`` seconds (``Device.sync_jitter_horizon``; None: all
     of it). Per op ``i``: ``fwd[i]`` and ``bwd[i]`` its compute in each pass (seconds, no stretch),
     ``fwd_sync[i]`` / ``bwd_sync[i]`` whether a critical collective ends that pass, ``moved[i]``
-    whether a redistribution feeds it; ``reduces``: a bucketed weight-gradient reduction follows the
+    whether a collective brings it an input (a redistribution that moves bytes between ranks),
+    ``moved_back[i]`` whether one takes an input's gradient back (None: as ``moved``); ``reduces``:
+    a bucketed weight-gradient reduction follows the
     backward pass; ``after_backward``: the bucket copies and updates before the step's end. The cost
     model and the event simulator both place their waits by this one walk."""
     waits: dict[tuple[str, int], float] = {}
     since = 0.0
+    moved_back = moved if moved_back is None else moved_back
 
     def sync(key: tuple[str, int]) -> None:
         nonlocal since
@@ -45,7 +49,7 @@ def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bo
         since += bwd[i]
         if bwd_sync[i]:
             sync(("after bwd", i))
-        if moved[i]:
+        if moved_back[i]:
             sync(("inputs bwd", i))
     if reduces:
         sync(("reduce", -1))
@@ -65,11 +69,13 @@ def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
     ``T`` counted up to ``Device.sync_jitter_horizon``, after which the wait stops growing).
     The walk (``jitter_waits``) follows one step in program order, as ``shardplan run`` takes it:
 
-    * forward, op by op: a redistribution into the op (an edge with a cost) is a sync point before
+    * forward, op by op: a redistribution into the op that moves bytes between ranks (a collective;
+      not a local cut, which only pays its copies and DTensor's host work) is a sync point before
       its compute; a critical collective of its forward (a partial-sum all-reduce, a statistics
       all-reduce, a halo, the loss gather) is one after it;
     * backward, ops in reverse: the critical collectives of its backward (the input-gradient
-      all-reduce) after its compute, then the backward of its incoming redistributions;
+      all-reduce) after its compute, then the backward of its incoming redistributions where that
+      is a collective (the gradient of an all-gather into a whole op comes back by a local cut);
     * the bucketed weight-gradient reduction after the backward pass, when the plan has one;
     * the bucket copies and the optimizer update, then the end of the step, timed on the slowest
       rank: the last sync point.
@@ -80,12 +86,15 @@ def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
     return StepObjective(model, tables, picked).sync_waits([0] * len(choice), _moved(tables, choice))
 
 
-def _moved(tables, choice) -> list[bool]:
-    """Per op: whether a redistribution (an edge with a cost) feeds it under ``choice``."""
-    moved = [False] * len(tables.graph.ops)
+def _moved(tables, choice) -> tuple[list[bool], list[bool]]:
+    """Per op under ``choice``: whether a collective brings it an input in the forward pass, and
+    whether one takes an input's gradient back in the backward pass (``EdgeTable.sync_code``)."""
+    fwd, bwd = [False] * len(tables.graph.ops), [False] * len(tables.graph.ops)
     for e in tables.edges:
-        moved[e.dst] = moved[e.dst] or float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]]) > 0
-    return moved
+        code = e.sync_code(choice[e.src], choice[e.dst])
+        fwd[e.dst] = fwd[e.dst] or bool(code & 1)
+        bwd[e.dst] = bwd[e.dst] or bool(code & 2)
+    return fwd, bwd
 
 
 class StepObjective:
@@ -124,7 +133,8 @@ class StepObjective:
 
     def sync_waits(self, choice, moved) -> tuple[float, float]:
         """(jitter waits, per-op sync stretch) of ``choice`` (indices into ``rows``), as
-        :func:`sync_waits` defines them; ``moved``: per op, whether a redistribution feeds it."""
+        :func:`sync_waits` defines them; ``moved``: per op, whether a collective brings it an input
+        and whether one takes the gradient back (``_moved``)."""
         p = self.parts
         stretch = float(sum(p["stretch"][i][c] for i, c in enumerate(choice)))
         if not self.jitter:
@@ -135,7 +145,8 @@ class StepObjective:
             bwd=[float(p["bwd"][i][c]) for i, c in enumerate(choice)],
             fwd_sync=[bool(p["fwd_sync"][i][c]) for i, c in enumerate(choice)],
             bwd_sync=[bool(p["bwd_sync"][i][c]) for i, c in enumerate(choice)],
-            moved=moved,
+            moved=moved[0],
+            moved_back=moved[1],
             reduces=any(bool(p["reduces"][i][c]) for i, c in enumerate(choice)),
             after_backward=float(sum(p["after"][i][c] for i, c in enumerate(choice))),
             horizon=self.horizon)

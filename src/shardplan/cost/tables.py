@@ -60,6 +60,17 @@ class EdgeTable:
     dst_class: np.ndarray  # (K_dst,) int
     cost: np.ndarray  # (L_src, L_dst)
     tensors: tuple[str, ...] = ()
+    syncs: np.ndarray | None = None
+    """(L_src, L_dst) uint8, from models that tell (``edge_syncs``): bit 0 set where the forward move
+    is a collective, bit 1 where the gradient's move back is; None: any cost is taken for both."""
+
+    def sync_code(self, src_choice: int, dst_choice: int) -> int:
+        """Which directions move bytes between ranks for these two ops' configurations (bit 0 forward,
+        bit 1 backward; see ``syncs``)."""
+        a, b = self.src_class[src_choice], self.dst_class[dst_choice]
+        if self.syncs is None:
+            return 3 if float(self.cost[a, b]) > 0 else 0
+        return int(self.syncs[a, b])
 
 
 @dataclass(frozen=True)
@@ -136,20 +147,25 @@ def build_tables(graph: Graph, model: CostModel, devices: int,
         src_op, dst_op = graph.ops[e.src], graph.ops[e.dst]
         s_uniq, s_cls = _classes(operand_layouts(src_op, configs[e.src], src_op.outputs[e.src_out].axes))
         d_uniq, d_cls = _classes(operand_layouts(dst_op, configs[e.dst], dst_op.inputs[e.dst_in].axes))
-        cost = model.edge_costs(graph, graph.tensor(e.tensor), s_uniq, d_uniq)
-        merged.setdefault((e.src, e.dst), []).append((s_cls, d_cls, cost, e.tensor))
+        tensor = graph.tensor(e.tensor)
+        cost = model.edge_costs(graph, tensor, s_uniq, d_uniq)
+        syncs = model.edge_syncs(graph, tensor, s_uniq, d_uniq) if hasattr(model, "edge_syncs") else None
+        merged.setdefault((e.src, e.dst), []).append((s_cls, d_cls, cost, e.tensor, syncs))
     edges = []
     for (src, dst), parts in merged.items():
         if len(parts) == 1:
-            s_cls, d_cls, cost, name = parts[0]
-            edges.append(EdgeTable(src, dst, s_cls, d_cls, cost, (name,)))
+            s_cls, d_cls, cost, name, syncs = parts[0]
+            edges.append(EdgeTable(src, dst, s_cls, d_cls, cost, (name,), syncs))
             continue
         # Several tensors between the same ops: combine into one table over joint layout classes.
         s_joint, s_cls = _classes(np.stack([p[0] for p in parts], axis=1))
         d_joint, d_cls = _classes(np.stack([p[1] for p in parts], axis=1))
         cost = np.zeros((len(s_joint), len(d_joint)))
+        syncs = None if parts[0][4] is None else np.zeros(cost.shape, dtype=np.uint8)
         for j, p in enumerate(parts):
             cost += p[2][np.ix_(s_joint[:, j], d_joint[:, j])]
-        edges.append(EdgeTable(src, dst, s_cls, d_cls, cost, tuple(p[3] for p in parts)))
+            if syncs is not None:
+                syncs |= p[4][np.ix_(s_joint[:, j], d_joint[:, j])]
+        edges.append(EdgeTable(src, dst, s_cls, d_cls, cost, tuple(p[3] for p in parts), syncs))
     return CostTables(graph, devices, model.name, model.unit, tuple(configs), tuple(nodes), tuple(edges),
                       build_seconds=time.perf_counter() - start)

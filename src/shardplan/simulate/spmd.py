@@ -20,10 +20,11 @@ Per op, in program order (the analytic model's items, ``AnalyticCostModel.node_c
   the compute stream at priority 1 (see :func:`optimizer_seconds`): the model's ``optimizer_update``
   item, one task per tile. Without overlap the iteration is then the cost tables' ``cost_of``;
 * with a ``sync_jitter`` on the device (and more than one device), a wait task on the comm stream at
-  every sync point of the prediction's walk (``cost.step.jitter_waits``: before a redistribution,
-  before an op's critical collectives, before the gradient reduction, at the step's end), each
-  ``sync_jitter x sqrt(compute since the previous one)`` (up to ``sync_jitter_horizon``), and the compute tasks without the per-op
-  stretch: without overlap the iteration is then ``cost.step.step_seconds``.
+  every sync point of the prediction's walk (``cost.step.jitter_waits``: before a redistribution
+  wherever it is a collective, in either pass; before an op's critical collectives, before the
+  gradient reduction, at the step's end), each ``sync_jitter x sqrt(compute since the previous
+  one)`` (up to ``sync_jitter_horizon``), and the compute tasks without the per-op stretch: without
+  overlap the iteration is then ``cost.step.step_seconds``.
 
 Symmetry: under the analytic model every device of an SPMD plan runs the same tasks with the same
 durations (every op's tiles are equal, the cost model prices one device's share), and every member
@@ -111,33 +112,38 @@ class Prepared:
         self.entries = entries if entries is not None else [
             OpEntry(model, graph, op, c) for op, c in zip(graph.ops, self.configs)]
         self.edges = edges  # cost-table edges; None: price every graph edge from the chosen rows
-        self._edge_seconds = edge_seconds  # precomputed (src, dst, seconds, label) for the chosen rows
+        self._edge_seconds = edge_seconds  # precomputed (src, dst, seconds, label, sync) for the chosen rows
 
-    def edge_list(self, choice) -> list[tuple[int, int, float, str]]:
-        """(src, dst, seconds of both directions, label) for every transfer."""
+    def edge_list(self, choice) -> list[tuple[int, int, float, str, int]]:
+        """(src, dst, seconds of both directions, label, sync code) for every transfer; the code's
+        bit 0 is set where the forward move is a collective, bit 1 where the backward one is
+        (``EdgeTable.syncs``)."""
         if self._edge_seconds is not None:
             return self._edge_seconds
         out = []
         if self.edges is not None:  # cost-table edges, merged per op pair
             for e in self.edges:
                 cost = float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]])
-                out.append((e.src, e.dst, cost, "+".join(e.tensors)))
+                out.append((e.src, e.dst, cost, "+".join(e.tensors), e.sync_code(choice[e.src], choice[e.dst])))
             return out
         g = self.graph
         for e in g.edges():
-            out.append((e.src, e.dst, edge_seconds(self.model, g, e, self.configs[e.src][choice[e.src]],
-                                                   self.configs[e.dst][choice[e.dst]]), e.tensor))
+            out.append((e.src, e.dst, *edge_seconds(self.model, g, e, self.configs[e.src][choice[e.src]],
+                                                    self.configs[e.dst][choice[e.dst]]), e.tensor))
         return out
 
 
-def edge_seconds(model: AnalyticCostModel, g: Graph, e, src_config: np.ndarray, dst_config: np.ndarray) -> float:
-    """The analytic model's redistribution seconds (both directions) of graph edge ``e``."""
+def edge_seconds(model: AnalyticCostModel, g: Graph, e, src_config: np.ndarray,
+                 dst_config: np.ndarray) -> tuple[float, int]:
+    """The analytic model's redistribution seconds (both directions) of graph edge ``e``, and its sync
+    code (bit 0: the forward move is a collective; bit 1: the backward one is)."""
     src_op, dst_op = g.ops[e.src], g.ops[e.dst]
     s = operand_layouts(src_op, src_config[None, :], src_op.outputs[e.src_out].axes)
     d = operand_layouts(dst_op, dst_config[None, :], dst_op.inputs[e.dst_in].axes)
     if np.array_equal(s, d):
-        return 0.0  # equal layouts move nothing (the formula's nbytes = 0 branch)
-    return float(model.edge_costs(g, g.tensor(e.tensor), s, d)[0, 0])
+        return 0.0, 0  # equal layouts move nothing (the formula's nbytes = 0 branch)
+    tensor = g.tensor(e.tensor)
+    return float(model.edge_costs(g, tensor, s, d)[0, 0]), int(model.edge_syncs(g, tensor, s, d)[0, 0])
 
 
 def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, optimizer: bool = True) -> TaskGraph:
@@ -155,9 +161,11 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
     names = [op.name for op in g.ops]
     incoming: list[list] = [[] for _ in range(n)]
     outgoing: list[list] = [[] for _ in range(n)]
-    for src, dst, cost, label in prep.edge_list(choice):
+    syncs: list[int] = [0] * n  # per op: bit 0, a collective brings an input; bit 1, one takes a gradient back
+    for src, dst, cost, label, sync in prep.edge_list(choice):
         incoming[dst].append((src, cost, label))
         outgoing[src].append((dst, cost, label))
+        syncs[dst] |= sync
     entries = prep.entries
     static = 0.0
     for i in range(n):
@@ -181,7 +189,8 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
             fwd_sync=[(e.halo_fwd is not None and e.halo_fwd[r] > 0) or any(sec[r] > 0 for _, sec in e.fwd_comm)
                       for r, e in rows],
             bwd_sync=[any(sec[r] > 0 for _, sec in e.bwd_comm) for r, e in rows],
-            moved=[any(cost > 0 for _, cost, _ in incoming[i]) for i in range(n)],
+            moved=[bool(syncs[i] & 1) for i in range(n)],
+            moved_back=[bool(syncs[i] & 2) for i in range(n)],
             reduces=any(sec[r] > 0 for r, e in rows for _, _, sec in e.grad_comm),
             after_backward=sum(sec[r] for r, e in rows for _, sec in e.grad_pack) + sum(updates),
             horizon=cluster.device.sync_jitter_horizon)
@@ -306,7 +315,7 @@ def prepare_plan(graph: Graph, model: AnalyticCostModel, plan: Plan) -> Prepared
         sec = edge_cache.get(k)
         if sec is None:
             sec = edge_cache[k] = edge_seconds(model, graph, e, src, dst)
-        edges.append((e.src, e.dst, sec, e.tensor))
+        edges.append((e.src, e.dst, sec[0], e.tensor, sec[1]))
     return Prepared(graph, model, configs, entries=entries, edge_seconds=edges)
 
 
