@@ -1,6 +1,7 @@
 """Predicted vs measured step time of several plans on this machine (prints a table, not a test).
 
-    python benchmarks/fidelity.py [--devices 2] [--steps 5] [--repeats 3] [--cluster FILE] [--models llama,torch_cnn]
+    python benchmarks/fidelity.py [--devices 2] [--steps 5] [--repeats 3] [--measure-seconds S] [--cluster FILE]
+                                  [--models llama,torch_cnn]
 
 Without ``--cluster`` it runs ``shardplan calibrate`` on the same number of ranks right before each
 model's launches (the shared machine's speed drifts within minutes). For one
@@ -37,7 +38,10 @@ itself, so a bound on the agreement any prediction can show. The rounds are also
 replacement (500 draws, seeded) for a 90% interval of the paired and the best-step tau: how far
 another sample of the same machine could move them. Plans that are the same plan (the
 searched plan may be data parallel) are marked ``= other``. With ``--repeats R`` the launch runs R
-times; the numerics are checked (``--check``) on the first.
+times; the numerics are checked (``--check``) on the first. With ``--measure-seconds S`` a model whose
+steps are short runs more of them: at least ``S`` seconds per plan and launch by the predictions
+(``max(--steps, ceil(S / mean predicted step))``), so that the CNN's 25 ms steps are sampled as long
+as Llama's 0.2 s ones and near-tied plans are told apart by more rounds, not by fewer.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from shardplan.capture import capture
 from shardplan.capture.models import build, parse_config
 from shardplan.cluster import load_cluster
 from shardplan.cost.analytic import AnalyticCostModel
+from shardplan.cost.step import step_seconds
 from shardplan.cost.tables import build_tables
 from shardplan.execute.launch import RUN_OPTIMIZER
 from shardplan.execute.plans import half_data_parallel, mixed, odd, random_plan, replicated, tensor_parallel
@@ -111,6 +116,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--measure-seconds", type=float, default=0.0,
+                    help="run at least this many seconds of steps per plan and launch (by the predictions): "
+                         "more rounds for a model with short steps")
     ap.add_argument("--cluster", default=None)
     ap.add_argument("--repeats", type=int, default=1,
                     help="launch the interleaved run this many times and keep each plan's fastest step "
@@ -153,9 +161,13 @@ def main() -> None:
             paths[pname] = os.path.join(tmp, f"{name}-{pname}.json")
             with open(paths[pname], "w") as fh:
                 fh.write(Plan.from_choice(tables, list(choice)).to_json())
+        steps = args.steps
+        if args.measure_seconds > 0:  # short steps: more of them, by the predictions
+            mean_step = float(np.mean([step_seconds(model, tables, list(c)) for c in plans.values()]))
+            steps = max(steps, math.ceil(args.measure_seconds / mean_step))
         for rep in range(args.repeats):  # one launch per repeat, every plan's steps interleaved in it
             cmd = [sys.executable, "-m", "shardplan.report.cli", "run", "--model", name, "--hf-config", config,
-                   "--devices", str(args.devices), "--steps", str(args.steps), "--batch", str(batch), "--seq",
+                   "--devices", str(args.devices), "--steps", str(steps), "--batch", str(batch), "--seq",
                    str(seq), "--cluster", cluster_file, "--json", "-"]
             for pname in plans:
                 cmd += ["--plan", paths[pname]]
