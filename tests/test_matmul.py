@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("expecttest")
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 from shardplan.execute.matmul import LocalBatchedMatmul, matmul_roles  # noqa: E402

@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import statistics
 import time
 
