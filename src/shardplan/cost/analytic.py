@@ -515,17 +515,20 @@ class AnalyticCostModel:
             bwd = np.maximum(bwd, gathered_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes)
         return fwd, bwd
 
-    def edge_syncs(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
-                   dst_layouts: np.ndarray) -> np.ndarray:
-        """Which directions of each layout pair's move are collectives, as ``(L_src, L_dst)`` codes:
-        bit 0 (1) the forward move, bit 1 (2) the gradient's move back. Only a collective is a sync
-        point of the jitter walk (``cost.step``); a cut, its copies and DTensor's host work are local."""
-        fwd, bwd = self.edge_bytes(tensor, src_layouts, dst_layouts)
-        return (fwd > 0).astype(np.uint8) | ((bwd > 0).astype(np.uint8) << 1)
-
     def edge_costs(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
                    dst_layouts: np.ndarray) -> np.ndarray:
-        """Seconds to move a tensor between every pair of layouts and its gradient back: forward, what
+        """Seconds to move a tensor between every pair of layouts and its gradient back (the first of
+        ``edge_prices``)."""
+        return self.edge_prices(graph, tensor, src_layouts, dst_layouts)[0]
+
+    def edge_prices(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
+                    dst_layouts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, sync codes) of every pair of layouts, both ``(L_src, L_dst)``; the codes say which
+        directions are collectives: bit 0 (1) the forward move, bit 1 (2) the gradient's move back.
+        Only a collective is a sync point of the jitter walk (``cost.step``); a cut, its copies and
+        DTensor's host work are local.
+
+        Seconds to move a tensor between every pair of layouts and its gradient back: forward, what
         a consumer device lacks of its tile; backward, what a producer device lacks of the gradient's
         tile (both by PaSE's rule, ``redistribution_words``), except that a whole tensor is held by
         every device (the runtime replicates an unsplit op), so cutting a split out of it moves no
@@ -546,5 +549,6 @@ class AnalyticCostModel:
         copies = (inner_copy_words(tensor.shape, src_layouts, dst_layouts)
                   + inner_copy_words(tensor.shape, dst_layouts, src_layouts).T) * tensor.dtype_bytes
         changed = (src_layouts[:, None, :] != dst_layouts[None, :, :]).any(axis=2)
-        return (moves + 2.0 * copies / self.cluster.device.kernel_bandwidth
-                + np.where(changed, 2.0 * self.cluster.device.redistribute_overhead, 0.0))
+        seconds = (moves + 2.0 * copies / self.cluster.device.kernel_bandwidth
+                   + np.where(changed, 2.0 * self.cluster.device.redistribute_overhead, 0.0))
+        return seconds, (fwd > 0).astype(np.uint8) | ((bwd > 0).astype(np.uint8) << 1)

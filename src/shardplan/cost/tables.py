@@ -61,7 +61,7 @@ class EdgeTable:
     cost: np.ndarray  # (L_src, L_dst)
     tensors: tuple[str, ...] = ()
     syncs: np.ndarray | None = None
-    """(L_src, L_dst) uint8, from models that tell (``edge_syncs``): bit 0 set where the forward move
+    """(L_src, L_dst) uint8, from models that tell (``edge_prices``): bit 0 set where the forward move
     is a collective, bit 1 where the gradient's move back is; None: any cost is taken for both."""
 
     def sync_code(self, src_choice: int, dst_choice: int) -> int:
@@ -148,8 +148,10 @@ def build_tables(graph: Graph, model: CostModel, devices: int,
         s_uniq, s_cls = _classes(operand_layouts(src_op, configs[e.src], src_op.outputs[e.src_out].axes))
         d_uniq, d_cls = _classes(operand_layouts(dst_op, configs[e.dst], dst_op.inputs[e.dst_in].axes))
         tensor = graph.tensor(e.tensor)
-        cost = model.edge_costs(graph, tensor, s_uniq, d_uniq)
-        syncs = model.edge_syncs(graph, tensor, s_uniq, d_uniq) if hasattr(model, "edge_syncs") else None
+        if hasattr(model, "edge_prices"):  # seconds and which directions are collectives, in one pass
+            cost, syncs = model.edge_prices(graph, tensor, s_uniq, d_uniq)
+        else:
+            cost, syncs = model.edge_costs(graph, tensor, s_uniq, d_uniq), None
         merged.setdefault((e.src, e.dst), []).append((s_cls, d_cls, cost, e.tensor, syncs))
     edges = []
     for (src, dst), parts in merged.items():

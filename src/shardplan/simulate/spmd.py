@@ -143,7 +143,8 @@ def edge_seconds(model: AnalyticCostModel, g: Graph, e, src_config: np.ndarray,
     if np.array_equal(s, d):
         return 0.0, 0  # equal layouts move nothing (the formula's nbytes = 0 branch)
     tensor = g.tensor(e.tensor)
-    return float(model.edge_costs(g, tensor, s, d)[0, 0]), int(model.edge_syncs(g, tensor, s, d)[0, 0])
+    seconds, syncs = model.edge_prices(g, tensor, s, d)
+    return float(seconds[0, 0]), int(syncs[0, 0])
 
 
 def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, optimizer: bool = True) -> TaskGraph:
