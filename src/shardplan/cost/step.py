@@ -90,10 +90,13 @@ def _moved(tables, choice) -> tuple[list[bool], list[bool]]:
     """Per op under ``choice``: whether a collective brings it an input in the forward pass, and
     whether one takes an input's gradient back in the backward pass (``EdgeTable.sync_code``)."""
     fwd, bwd = [False] * len(tables.graph.ops), [False] * len(tables.graph.ops)
-    for e in tables.edges:
-        code = e.sync_code(choice[e.src], choice[e.dst])
-        fwd[e.dst] = fwd[e.dst] or bool(code & 1)
-        bwd[e.dst] = bwd[e.dst] or bool(code & 2)
+    for e in tables.edges:  # EdgeTable.sync_code, inlined: the polish calls this for every plan it prices
+        a, b = e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]
+        code = (3 if e.cost[a, b] > 0 else 0) if e.syncs is None else e.syncs[a, b]
+        if code & 1:
+            fwd[e.dst] = True
+        if code & 2:
+            bwd[e.dst] = True
     return fwd, bwd
 
 
@@ -131,34 +134,63 @@ class StepObjective:
             parts["after"].append(total([it for it in items if it.name in PER_ITERATION]))
         self.parts = parts
 
+        # the parts flattened, op after op, so that one plan's are read by one fancy index
+        self._offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])[:-1]]).astype(np.int64)
+        self._flat = {k: np.concatenate([np.asarray(v, dtype=np.float64) for v in parts[k]]) for k in parts}
+        self._totals = np.concatenate([np.asarray(n.total, dtype=np.float64)[r] for n, r in zip(tables.nodes, rows)])
+        self._edges = [(e.src, e.dst, e.src_class, e.dst_class, e.cost, e.syncs) for e in tables.edges]
+
     def sync_waits(self, choice, moved) -> tuple[float, float]:
         """(jitter waits, per-op sync stretch) of ``choice`` (indices into ``rows``), as
         :func:`sync_waits` defines them; ``moved``: per op, whether a collective brings it an input
         and whether one takes the gradient back (``_moved``)."""
-        p = self.parts
-        stretch = float(sum(p["stretch"][i][c] for i, c in enumerate(choice)))
+        return self._waits(self._offsets + np.asarray(choice, dtype=np.int64), moved)
+
+    def _waits(self, idx: np.ndarray, moved) -> tuple[float, float]:
+        f = self._flat
+        stretch = float(f["stretch"][idx].sum())
         if not self.jitter:
             return 0.0, stretch
         waits = jitter_waits(
             self.jitter,
-            fwd=[float(p["fwd"][i][c]) for i, c in enumerate(choice)],
-            bwd=[float(p["bwd"][i][c]) for i, c in enumerate(choice)],
-            fwd_sync=[bool(p["fwd_sync"][i][c]) for i, c in enumerate(choice)],
-            bwd_sync=[bool(p["bwd_sync"][i][c]) for i, c in enumerate(choice)],
+            fwd=f["fwd"][idx].tolist(),
+            bwd=f["bwd"][idx].tolist(),
+            fwd_sync=(f["fwd_sync"][idx] > 0).tolist(),
+            bwd_sync=(f["bwd_sync"][idx] > 0).tolist(),
             moved=moved[0],
             moved_back=moved[1],
-            reduces=any(bool(p["reduces"][i][c]) for i, c in enumerate(choice)),
-            after_backward=float(sum(p["after"][i][c] for i, c in enumerate(choice))),
+            reduces=bool(f["reduces"][idx].any()),
+            after_backward=float(f["after"][idx].sum()),
             horizon=self.horizon)
         return sum(waits.values()), stretch
+
+    def _edge_pass(self, choice) -> tuple[float, tuple[list[bool], list[bool]]]:
+        """The edges' seconds under ``choice`` (configuration indices of the tables) and ``_moved``'s
+        flags, in one pass over the edges (the polish prices thousands of plans)."""
+        n = len(self.rows)
+        fwd, bwd = [False] * n, [False] * n
+        total = 0.0
+        for src, dst, src_class, dst_class, cost, syncs in self._edges:
+            a, b = src_class[choice[src]], dst_class[choice[dst]]
+            seconds = float(cost[a, b])
+            total += seconds
+            code = (3 if seconds > 0 else 0) if syncs is None else syncs[a, b]
+            if code & 1:
+                fwd[dst] = True
+            if code & 2:
+                bwd[dst] = True
+        return total, (fwd, bwd)
 
     def __call__(self, choice) -> float:
         """Predicted seconds of one step of ``choice`` (configuration indices of the tables; ``rows``
         must be all configurations): ``step_seconds``."""
+        idx = self._offsets + np.asarray(choice, dtype=np.int64)
+        edges, moved = self._edge_pass(choice)
+        cost = float(self._totals[idx].sum()) + edges
         if not self.jitter:
-            return self.tables.cost_of(choice)
-        waits, stretch = self.sync_waits(choice, _moved(self.tables, choice))
-        return self.tables.cost_of(choice) - stretch + waits
+            return cost
+        waits, stretch = self._waits(idx, moved)
+        return cost - stretch + waits
 
 
 def step_seconds(model, tables, choice) -> float:
