@@ -92,7 +92,8 @@ from shardplan.execute.plans import tensor_parallel
 from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, best_time, build_probe, dispatch_overhead,
                                       fit_efficiency, fit_sync_jitter, jitter_law, local_time, paired_times,
                                       probe_kernel_seconds, probe_tables, product_efficiency,
-                                      sharded_dispatch_ratio, step_bandwidth, typical_step)
+                                      sharded_dispatch_ratio, slowest_rank_seconds, step_bandwidth,
+                                      typical_step)
 
 
 def _runtime_all_reduce(buf: torch.Tensor):
@@ -164,18 +165,10 @@ def _sync_stretch(reps: int, segments: int = 24) -> float:
             torch.mm(x, w)
             collective()
 
-    def timed(fn) -> float:  # one repetition as best_time takes it: from a barrier, the slowest rank
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
     both(), compute(), comm()  # warm-up
     ratios = []
     for _ in range(2 * reps):
-        t_both, t_compute, t_comm = timed(both), timed(compute), timed(comm)
+        t_both, t_compute, t_comm = (slowest_rank_seconds(f) for f in (both, compute, comm))
         ratios.append((t_both - t_compute - t_comm) / t_compute)
     return max(statistics.median(ratios), 0.0)
 
