@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -107,6 +108,11 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert [k for k, _ in cluster.device.conv_reduction_efficiency] == [27.0, 144.0, 576.0]
     assert [m for m, _ in cluster.device.conv_rows_efficiency] == [128.0, 512.0, 2048.0, 8192.0]
     assert dict(cluster.device.conv_reduction_efficiency)[576.0] == 1.0 == dict(cluster.device.conv_rows_efficiency)[2048.0]
+    # the raw measurements in the file's comments keep every round of the typical-step probes
+    raw = yaml.safe_load("\n".join(line[4:] for line in out.read_text().splitlines() if line.startswith("#   ")))
+    for probe in ("tensor_parallel_probe_step_seconds", "replicated_probe_step_seconds"):
+        assert len(raw[probe]["rounds_ms"]) == 4  # 2 x --reps rounds
+        assert min(raw[probe]["rounds_ms"]) == pytest.approx(1e3 * raw[probe]["best"], abs=1e-3)
 
 
 def test_product_efficiency_by_hand():
@@ -200,7 +206,7 @@ def test_paired_times_and_the_typical_step():
     best / median (the slowdown of the moment, shared by both), by hand."""
     import time
 
-    from shardplan.execute.probes import paired_times, typical_step
+    from shardplan.execute.probes import paired_times, round_times, typical_step
     from shardplan.execute.threaded import run_threaded
 
     per_rank = run_threaded(2, lambda rank: paired_times([lambda: time.sleep(0.002), lambda: time.sleep(0.006)],
@@ -209,6 +215,10 @@ def test_paired_times_and_the_typical_step():
         assert 0.002 <= short_best <= short_median < long_best <= long_median
     assert per_rank[0] == per_rank[1]  # the slowest rank's time, the same on every rank
     assert typical_step((0.100, 0.125), (0.080, 0.088)) == pytest.approx(0.125 * 0.080 / 0.088)
+    rounds = run_threaded(2, lambda rank: round_times([lambda: time.sleep(0.002), lambda: time.sleep(0.006)],
+                                                      rounds=3))[0]
+    assert [len(t) for t in rounds] == [3, 3]
+    assert max(rounds[0]) < min(rounds[1])  # per step, in round order
 
 
 def test_jitter_law_finds_the_horizon_the_waits_stop_growing_at():

@@ -56,18 +56,23 @@ def local_time(fn, reps: int, inner: int = 8) -> float:
     return min(times)
 
 
-def paired_times(steps, rounds: int) -> list[tuple[float, float]]:
-    """(best, median) seconds of each of ``steps`` over ``rounds`` rounds that run one step of each,
+def round_times(steps, rounds: int) -> list[list[float]]:
+    """Seconds of each of ``steps`` in each of ``rounds`` rounds that run one step of each,
     round-robin (so the machine's state of the moment is shared by the steps of a round, as in
-    ``shardplan run --plan A --plan B``); every step timed from a common barrier, the slowest rank's
-    time kept."""
+    ``shardplan run --plan A --plan B``), per step in round order; every step timed from a common
+    barrier, the slowest rank's time kept."""
     for step in steps:
         step()
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(rounds):
         for i, step in enumerate(steps):
             times[i].append(slowest_rank_seconds(step))
-    return [(min(t), statistics.median(t)) for t in times]
+    return times
+
+
+def paired_times(steps, rounds: int) -> list[tuple[float, float]]:
+    """(best, median) seconds of each of ``steps`` over the rounds of :func:`round_times`."""
+    return [(min(t), statistics.median(t)) for t in round_times(steps, rounds)]
 
 
 def typical_step(tp: tuple[float, float], replicated: tuple[float, float]) -> float:
