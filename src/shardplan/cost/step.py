@@ -82,22 +82,39 @@ def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
 
     The first figure is the waits' sum (0 on one device); the second is what the tables charged
     instead, the plan's ``sync_wait`` items. ``step_seconds`` swaps one for the other."""
-    picked = [np.array([c]) for c in choice]
-    return StepObjective(model, tables, picked).sync_waits([0] * len(choice), _moved(tables, choice))
+    objective = StepObjective(model, tables, [np.array([c]) for c in choice])
+    moved = _edge_pass(objective._edges, len(choice), choice)[1]
+    return objective.sync_waits([0] * len(choice), moved)
 
 
 def _moved(tables, choice) -> tuple[list[bool], list[bool]]:
     """Per op under ``choice``: whether a collective brings it an input in the forward pass, and
     whether one takes an input's gradient back in the backward pass (``EdgeTable.sync_code``)."""
-    fwd, bwd = [False] * len(tables.graph.ops), [False] * len(tables.graph.ops)
-    for e in tables.edges:  # EdgeTable.sync_code, inlined: the polish calls this for every plan it prices
-        a, b = e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]
-        code = (3 if e.cost[a, b] > 0 else 0) if e.syncs is None else e.syncs[a, b]
+    return _edge_pass(_edge_rows(tables), len(tables.graph.ops), choice)[1]
+
+
+def _edge_rows(tables) -> list[tuple]:
+    """The fields of every edge table that :func:`_edge_pass` reads, unpacked once."""
+    return [(e.src, e.dst, e.src_class, e.dst_class, e.cost, e.syncs) for e in tables.edges]
+
+
+def _edge_pass(edges, ops: int, choice) -> tuple[float, tuple[list[bool], list[bool]]]:
+    """The edges' seconds under ``choice`` (configuration indices of the tables) and, per op, whether
+    a collective brings it an input and whether one takes a gradient back: one pass over the edges
+    (``edges`` from :func:`_edge_rows`; ``EdgeTable.sync_code`` inlined, since the polish prices
+    thousands of plans)."""
+    fwd, bwd = [False] * ops, [False] * ops
+    total = 0.0
+    for src, dst, src_class, dst_class, cost, syncs in edges:
+        a, b = src_class[choice[src]], dst_class[choice[dst]]
+        seconds = float(cost[a, b])
+        total += seconds
+        code = (3 if seconds > 0 else 0) if syncs is None else syncs[a, b]
         if code & 1:
-            fwd[e.dst] = True
+            fwd[dst] = True
         if code & 2:
-            bwd[e.dst] = True
-    return fwd, bwd
+            bwd[dst] = True
+    return total, (fwd, bwd)
 
 
 class StepObjective:
@@ -138,7 +155,7 @@ class StepObjective:
         self._offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])[:-1]]).astype(np.int64)
         self._flat = {k: np.concatenate([np.asarray(v, dtype=np.float64) for v in parts[k]]) for k in parts}
         self._totals = np.concatenate([np.asarray(n.total, dtype=np.float64)[r] for n, r in zip(tables.nodes, rows)])
-        self._edges = [(e.src, e.dst, e.src_class, e.dst_class, e.cost, e.syncs) for e in tables.edges]
+        self._edges = _edge_rows(tables)
 
     def sync_waits(self, choice, moved) -> tuple[float, float]:
         """(jitter waits, per-op sync stretch) of ``choice`` (indices into ``rows``), as
@@ -164,28 +181,11 @@ class StepObjective:
             horizon=self.horizon)
         return sum(waits.values()), stretch
 
-    def _edge_pass(self, choice) -> tuple[float, tuple[list[bool], list[bool]]]:
-        """The edges' seconds under ``choice`` (configuration indices of the tables) and ``_moved``'s
-        flags, in one pass over the edges (the polish prices thousands of plans)."""
-        n = len(self.rows)
-        fwd, bwd = [False] * n, [False] * n
-        total = 0.0
-        for src, dst, src_class, dst_class, cost, syncs in self._edges:
-            a, b = src_class[choice[src]], dst_class[choice[dst]]
-            seconds = float(cost[a, b])
-            total += seconds
-            code = (3 if seconds > 0 else 0) if syncs is None else syncs[a, b]
-            if code & 1:
-                fwd[dst] = True
-            if code & 2:
-                bwd[dst] = True
-        return total, (fwd, bwd)
-
     def __call__(self, choice) -> float:
         """Predicted seconds of one step of ``choice`` (configuration indices of the tables; ``rows``
         must be all configurations): ``step_seconds``."""
         idx = self._offsets + np.asarray(choice, dtype=np.int64)
-        edges, moved = self._edge_pass(choice)
+        edges, moved = _edge_pass(self._edges, len(self.rows), choice)
         cost = float(self._totals[idx].sum()) + edges
         if not self.jitter:
             return cost

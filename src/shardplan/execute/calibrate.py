@@ -89,11 +89,11 @@ import torch.distributed as dist
 import yaml
 
 from shardplan.execute.plans import tensor_parallel
-from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, best_time, build_probe, dispatch_overhead,
-                                      fit_efficiency, fit_sync_jitter, jitter_law, local_time, round_times,
-                                      probe_kernel_seconds, probe_tables, product_efficiency,
-                                      sharded_dispatch_ratio, slowest_rank_seconds, step_bandwidth,
-                                      typical_step)
+from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, best_and_median, best_time, build_probe,
+                                      dispatch_overhead, fit_efficiency, fit_sync_jitter, jitter_law,
+                                      local_time, probe_kernel_seconds, probe_tables, product_efficiency,
+                                      round_times, sharded_dispatch_ratio, slowest_rank_seconds,
+                                      step_bandwidth, typical_step)
 
 
 def _runtime_all_reduce(buf: torch.Tensor):
@@ -431,7 +431,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
         # 10-20% fast in session 17; the best step's fit (also kept) priced them fast on medians
         tp_step, tp_graph, _ = build_probe(p, COMPUTE_PROBE, "tensor_parallel")
         rounds = round_times([tp_step, compute_step], 2 * reps)
-        tp, rep = ((min(t), statistics.median(t)) for t in rounds)
+        tp, rep = (best_and_median(t) for t in rounds)
         from shardplan.cluster.presets import cluster_from_dict
 
         cluster = cluster_from_dict(to_cluster(m, 1e12))

@@ -70,9 +70,14 @@ def round_times(steps, rounds: int) -> list[list[float]]:
     return times
 
 
+def best_and_median(times: list[float]) -> tuple[float, float]:
+    """(fastest, median) of one step's times."""
+    return min(times), statistics.median(times)
+
+
 def paired_times(steps, rounds: int) -> list[tuple[float, float]]:
     """(best, median) seconds of each of ``steps`` over the rounds of :func:`round_times`."""
-    return [(min(t), statistics.median(t)) for t in round_times(steps, rounds)]
+    return [best_and_median(t) for t in round_times(steps, rounds)]
 
 
 def typical_step(tp: tuple[float, float], replicated: tuple[float, float]) -> float:
