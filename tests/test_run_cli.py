@@ -111,7 +111,7 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     # the raw measurements in the file's comments keep every round of the typical-step probes
     raw = yaml.safe_load("\n".join(line[4:] for line in out.read_text().splitlines() if line.startswith("#   ")))
     for probe in ("tensor_parallel_probe_step_seconds", "replicated_probe_step_seconds"):
-        assert len(raw[probe]["rounds_ms"]) == 4  # 2 x --reps rounds
+        assert len(raw[probe]["rounds_ms"]) == 12  # three blocks of 2 x --reps rounds
         assert min(raw[probe]["rounds_ms"]) == pytest.approx(1e3 * raw[probe]["best"], abs=1e-3)
 
 
@@ -202,8 +202,9 @@ def test_fit_sync_jitter_recovers_the_jitter_a_step_was_priced_at():
 
 def test_paired_times_and_the_typical_step():
     """Two steps of 2 and 6 ms taken round-robin on 2 threaded ranks: each one's best and median come
-    back in order; the typical step scales a sync-heavy probe's median by the replicated probe's
-    best / median (the slowdown of the moment, shared by both), by hand."""
+    back in order; the typical step is the median of the rounds' ratios times the replicated step the
+    rates were fitted to, by hand (a slow round slows both of its steps and cancels)."""
+    import statistics
     import time
 
     from shardplan.execute.probes import paired_times, round_times, typical_step
@@ -214,7 +215,12 @@ def test_paired_times_and_the_typical_step():
     for (short_best, short_median), (long_best, long_median) in per_rank:
         assert 0.002 <= short_best <= short_median < long_best <= long_median
     assert per_rank[0] == per_rank[1]  # the slowest rank's time, the same on every rank
-    assert typical_step((0.100, 0.125), (0.080, 0.088)) == pytest.approx(0.125 * 0.080 / 0.088)
+    tp, rep = [0.100, 0.250, 0.130, 0.120], [0.080, 0.200, 0.090, 0.100]  # round 2: both steps slowed
+    # ratios 1.25 1.25 1.44 1.2, anchored at the replicated step the rates were fitted to (0.085 s)
+    assert typical_step(tp, rep, 0.085) == pytest.approx(1.25 * 0.085)
+    assert statistics.median(tp) / statistics.median(rep) * 0.085 > 1.3 * 0.085  # the ratio of medians
+    with pytest.raises(ValueError, match="3 tensor-parallel and 4 replicated rounds"):
+        typical_step(tp[:3], rep, 0.085)
     rounds = run_threaded(2, lambda rank: round_times([lambda: time.sleep(0.002), lambda: time.sleep(0.006)],
                                                       rounds=3))[0]
     assert [len(t) for t in rounds] == [3, 3]

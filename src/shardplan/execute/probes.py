@@ -80,15 +80,22 @@ def paired_times(steps, rounds: int) -> list[tuple[float, float]]:
     return [best_and_median(t) for t in round_times(steps, rounds)]
 
 
-def typical_step(tp: tuple[float, float], replicated: tuple[float, float]) -> float:
-    """A sync-heavy probe's typical step, less the slowdown every step of the moment shares:
-    ``median_tp x best_rep / median_rep`` (``(best, median)`` pairs from :func:`paired_times`).
+def typical_step(tp: list[float], replicated: list[float], replicated_step: float) -> float:
+    """A sync-heavy probe's typical step, in the units of the calibrated rates: the median over rounds
+    of ``tp_i / replicated_i`` (each round's two steps from :func:`round_times`, taken back to back,
+    as ``benchmarks/fidelity.py``'s "paired" measure ranks plans) times ``replicated_step``, the
+    replicated probe's step that the rates were fitted to (``execute.calibrate``: its best batch,
+    whose dispatch cost the fit reads).
 
-    The rates are the best repetitions' (a quiet machine's), and the waits at sync points are what
-    a typical step adds to them: the fastest of 20 steps is one whose ranks happened to stay in step
-    (session 18: tensor parallel's median is 1.12-1.25x its best where replicated's is 1.07x, and
-    the fitted jitter moved 0.006-0.029 between calibrations with the best step's luck)."""
-    return tp[1] * replicated[0] / replicated[1]
+    The ratio is what the waits at sync points add to a step, the drift the two steps of a round share
+    cancelled. Anchoring it at the rounds' own fastest replicated step (sessions 18-19) let that
+    step's luck into the fit: in runs 20.2 and 20.3 the fastest of 60 rounds was 14% and 19% under
+    the step the rates were fitted to, and the fitted jitter fell to 0.012 and 0.005, where the
+    calibrations anchored this way read 0.023-0.028 (docs/fidelity.md, session 20)."""
+    if len(tp) != len(replicated) or not tp:
+        raise ValueError(f"typical_step: {len(tp)} tensor-parallel and {len(replicated)} replicated rounds; "
+                         "expected the same number, at least one")
+    return statistics.median(t / r for t, r in zip(tp, replicated)) * replicated_step
 
 
 PROBE = dict(batch=4, seq=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
