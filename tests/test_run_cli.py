@@ -113,6 +113,10 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     for probe in ("tensor_parallel_probe_step_seconds", "replicated_probe_step_seconds"):
         assert len(raw[probe]["rounds_ms"]) == 12  # three blocks of 2 x --reps rounds
         assert min(raw[probe]["rounds_ms"]) == pytest.approx(1e3 * raw[probe]["best"], abs=1e-3)
+    # the replicated probe's wait at its step's end, and the horizon it implies (None: beyond the step)
+    end = raw["replicated_probe_end_wait"]
+    assert 0 <= end["seconds"] < end["step_seconds"]
+    assert end["implied_horizon"] is None or 0 <= end["implied_horizon"] < end["step_seconds"]
 
 
 def test_product_efficiency_by_hand():
@@ -376,3 +380,29 @@ def test_the_check_sees_a_wrong_gradient_a_wrong_loss_and_a_missing_one():
     assert rel_diff(grads, ref, 2.002, 2.0) == pytest.approx(1e-3)
     assert rel_diff({"weight": grads["weight"]}, ref, 2.0, 2.0) == float("inf")
     assert rel_diff({"weight": grads["weight"]}, ref, 2.0, 2.0, every=False) == 0.0
+
+
+def test_every_rank_s_time_and_the_wait_at_a_step_s_end():
+    """Rank 1 sleeps 6 ms longer than rank 0 in each of 3 rounds: every rank's time comes back in rank
+    order, the slowest is ``slowest_rank_seconds``'s, and the wait at the step's end (max - mean over
+    the ranks) is half the difference, by hand."""
+    import statistics
+    import time
+
+    from shardplan.execute.probes import end_wait, round_rank_times, round_times, slowest_rank_seconds
+    from shardplan.execute.threaded import run_threaded
+
+    def steps(rank):
+        import torch.distributed as dist
+
+        return [lambda: time.sleep(0.002 + 0.006 * dist.get_rank())]
+
+    per_rank = run_threaded(2, lambda rank: (round_rank_times(steps(rank), rounds=3), round_times(steps(rank), 2),
+                                             slowest_rank_seconds(steps(rank)[0])))
+    ranks, slowest, one = per_rank[0]
+    assert per_rank[1][0] == ranks  # every rank gets every rank's times
+    assert len(ranks[0]) == 3 and all(len(r) == 2 for r in ranks[0])
+    assert all(0.002 <= r[0] < r[1] and r[1] >= 0.008 for r in ranks[0])
+    assert all(t >= 0.008 for t in slowest[0]) and one >= 0.008
+    assert end_wait(ranks[0]) == pytest.approx(statistics.mean((r[1] - r[0]) / 2 for r in ranks[0]))
+    assert 0.002 <= end_wait(ranks[0]) <= 0.006

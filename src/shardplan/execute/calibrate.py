@@ -91,9 +91,9 @@ import yaml
 
 from shardplan.execute.plans import tensor_parallel
 from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, best_and_median, best_time, build_probe,
-                                      dispatch_overhead, fit_efficiency, fit_sync_jitter, jitter_law,
+                                      dispatch_overhead, end_wait, fit_efficiency, fit_sync_jitter, jitter_law,
                                       local_time, probe_kernel_seconds, probe_tables, product_efficiency,
-                                      round_times, sharded_dispatch_ratio, slowest_rank_seconds,
+                                      round_rank_times, sharded_dispatch_ratio, slowest_rank_seconds,
                                       step_bandwidth, typical_step)
 
 
@@ -440,7 +440,8 @@ def measure(reps: int = 10, n: int = 512) -> dict:
         # rounds' figure (kept in the comments) waits for a peer in lock-step microbenchmarks only, and
         # priced Megatron's plans 10-20% fast in session 17; the best step's fit (also kept) priced
         # them fast on medians
-        rounds = _typical_rounds(tp_step, compute_step, reps, typical_rounds)
+        ranks = _typical_rounds(tp_step, compute_step, reps, typical_rounds)
+        rounds = [[max(r) for r in probe] for probe in ranks]
         tp, rep = (best_and_median(t) for t in rounds)
         from shardplan.cluster.presets import cluster_from_dict
 
@@ -455,17 +456,25 @@ def measure(reps: int = 10, n: int = 512) -> dict:
         # anchored at the compute probe's step the rates were fitted to (``probes[1]``'s seconds)
         m["sync_jitter"] = fit_sync_jitter(typical_step(*rounds, probe_seconds[1]), tp_graph, cluster, p,
                                            tensor_parallel)
+        # the replicated probe has no sync point inside its step: the wait for the slowest rank at its
+        # end is ``sync_jitter x sqrt(min(T, horizon))`` after T of compute, so it places the horizon
+        # on a whole step; kept in the comments only, to be set against the microbenchmark's horizon
+        wait = end_wait(ranks[1])
+        implied = (wait / m["sync_jitter"]) ** 2 if m["sync_jitter"] > 0 else None
+        m["replicated_probe_end_wait"] = {"seconds": wait, "step_seconds": rep[1],
+                                          "implied_horizon": implied if implied is None or implied < rep[1] else None}
     return m
 
 
 def _typical_rounds(tp_step, replicated_step, reps: int, so_far: list | None = None) -> list:
-    """``so_far`` ([tensor-parallel seconds, replicated seconds] per round, in round order) with one more
-    block of ``2 x reps`` rounds of the two probes taken back to back (``probes.round_times``).
+    """``so_far`` (per probe, tensor parallel then replicated: every rank's seconds per round, in round
+    order; ``probes.round_rank_times``) with one more block of ``2 x reps`` rounds of the two probes
+    taken back to back.
 
     Session 20: the median ratio of the two (about 1.13) over one block of 20 rounds moved by 0.028
     (sd) from block to block in one quiet launch, by 0.06 beside a bursty neighbour; over three blocks,
     by 0.016 and 0.033."""
-    block = round_times([tp_step, replicated_step], 2 * reps)
+    block = round_rank_times([tp_step, replicated_step], 2 * reps)
     return [a + b for a, b in zip(so_far or [[], []], block)]
 
 

@@ -32,12 +32,20 @@ def best_time(fn, reps: int) -> float:
 
 def slowest_rank_seconds(fn) -> float:
     """Seconds of one call of ``fn`` on the slowest rank, every rank starting from a common barrier."""
+    return max(rank_seconds(fn))
+
+
+def rank_seconds(fn) -> list[float]:
+    """Seconds of one call of ``fn`` on every rank (in rank order), every rank starting from a common
+    barrier: the slowest is :func:`slowest_rank_seconds`'s figure, the others show how long each rank
+    would wait for it at a sync point after the call."""
     dist.barrier()
     t0 = time.perf_counter()
     fn()
     took = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took)
+    every = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, took)
+    return [float(t) for t in every]
 
 
 def local_time(fn, reps: int, inner: int = 8) -> float:
@@ -61,13 +69,26 @@ def round_times(steps, rounds: int) -> list[list[float]]:
     round-robin (so the machine's state of the moment is shared by the steps of a round, as in
     ``shardplan run --plan A --plan B``), per step in round order; every step timed from a common
     barrier, the slowest rank's time kept."""
+    return [[max(ranks) for ranks in step] for step in round_rank_times(steps, rounds)]
+
+
+def round_rank_times(steps, rounds: int) -> list[list[list[float]]]:
+    """As :func:`round_times`, with every rank's seconds of each step (:func:`rank_seconds`): per
+    step, per round in order, the ranks' times."""
     for step in steps:
         step()
-    times: list[list[float]] = [[] for _ in steps]
+    times: list[list[list[float]]] = [[] for _ in steps]
     for _ in range(rounds):
         for i, step in enumerate(steps):
-            times[i].append(slowest_rank_seconds(step))
+            times[i].append(rank_seconds(step))
     return times
+
+
+def end_wait(rank_times: list[list[float]]) -> float:
+    """Mean seconds a rank waits at the end of a step for the slowest (``max - mean`` over ranks, the
+    mean over rounds; ``rank_times`` as one step's entry of :func:`round_rank_times`): for a step with
+    no sync point inside, the wait ``cost.step.jitter_waits`` prices at its end."""
+    return statistics.mean(max(r) - statistics.mean(r) for r in rank_times)
 
 
 def best_and_median(times: list[float]) -> tuple[float, float]:
