@@ -83,6 +83,7 @@ def test_unknown_or_unrunnable_model_is_refused(capsys):
 
 def test_calibrate_writes_a_cluster_file(tmp_path):
     from shardplan.cluster import load_cluster
+    from shardplan.execute.probes import JITTER_HORIZONS
 
     out = tmp_path / "here.yaml"
     proc = subprocess.run([sys.executable, "-m", "shardplan.report.cli", "calibrate", "--devices", "2",
@@ -116,7 +117,9 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     # the replicated probe's wait at its step's end, and the horizon it implies (None: beyond the step)
     end = raw["replicated_probe_end_wait"]
     assert 0 <= end["seconds"] < end["step_seconds"]
-    assert end["implied_horizon"] is None or 0 <= end["implied_horizon"] < end["step_seconds"]
+    # the horizon is the one of probes.JITTER_HORIZONS that prices that wait; the microbenchmark's is kept
+    assert cluster.device.sync_jitter_horizon in JITTER_HORIZONS
+    assert raw["sync_jitter_horizon_microbenchmark"] in JITTER_HORIZONS
 
 
 def test_product_efficiency_by_hand():
@@ -406,3 +409,21 @@ def test_every_rank_s_time_and_the_wait_at_a_step_s_end():
     assert all(t >= 0.008 for t in slowest[0]) and one >= 0.008
     assert end_wait(ranks[0]) == pytest.approx(statistics.mean((r[1] - r[0]) / 2 for r in ranks[0]))
     assert 0.002 <= end_wait(ranks[0]) <= 0.006
+
+
+def test_the_horizon_prices_a_whole_step_s_end_wait():
+    """A jitter of 0.02 s^0.5 at every horizon: a wait of 0.02 sqrt(8 ms) after a 100 ms step picks the
+    8 ms horizon, a wait as long as the square root of the whole step picks none, a tiny one the
+    shortest; where the refitted jitter grows as the horizon shrinks (the probe's segments capped),
+    the pair that prices the wait is returned, by hand."""
+    import math
+
+    from shardplan.execute.probes import JITTER_HORIZONS, horizon_from_end_wait
+
+    assert horizon_from_end_wait(0.02 * math.sqrt(0.008), 0.1, lambda h: 0.02) == (0.008, 0.02)
+    assert horizon_from_end_wait(0.02 * math.sqrt(0.1), 0.1, lambda h: 0.02) == (None, 0.02)
+    assert horizon_from_end_wait(1e-6, 0.1, lambda h: 0.02) == (min(h for h in JITTER_HORIZONS if h), 0.02)
+    # j(h) = 0.001 / sqrt(h) below 16 ms: every short horizon prices 1 ms; a 1 ms wait takes the earliest
+    growing = lambda h: 0.001 / math.sqrt(h) if h is not None and h < 0.016 else 0.001 / math.sqrt(0.016)
+    h, j = horizon_from_end_wait(0.001, 0.1, growing)
+    assert h == 0.004 and j * math.sqrt(h) == pytest.approx(0.001)

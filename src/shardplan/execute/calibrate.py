@@ -44,17 +44,21 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   that time the three in turn (``_sync_stretch``); the cost model stretches the compute of an op
   whose pass ends in a collective on the critical path;
 * **sync jitter**: how long a rank waits at a sync point for its slowest peer after ``T`` seconds of
-  compute: rounds of 1, 4 and 16 ms of matrix products, each followed by a small all-reduce, fitted
-  to ``wait = sync_jitter x sqrt(T)`` (``_sync_jitter``, kept in the file's comments as
-  ``sync_jitter_microbenchmark``); the file's ``sync_jitter`` is then fitted to the compute probe
-  run tensor parallel (Megatron's plan: an all-reduce on the critical path after every attention
-  and MLP block, forward and backward), at every other rate calibrated here, so that
+  compute, ``wait = sync_jitter x sqrt(min(T, sync_jitter_horizon))``. The jitter is fitted to the
+  compute probe run tensor parallel (Megatron's plan: an all-reduce on the critical path after every
+  attention and MLP block, forward and backward), at every other rate calibrated here, so that
   ``cost.step.step_seconds`` prices that step's typical time (``fit_sync_jitter`` of
   ``probes.typical_step``: over 60 rounds that alternate it with the replicated probe, in three
   blocks spread over the calibration, the median of each round's ratio of the two times the
   replicated probe's step that the rates were fitted to (its best batch of two steps, above); the
-  best step's fit is kept in the comments as ``sync_jitter_best_step``);
-  ``step_seconds`` charges it at every sync point of a plan's step (the cost tables keep the
+  best step's fit is kept in the comments as ``sync_jitter_best_step``). The horizon is the one that
+  prices the replicated probe's wait at its step's end, which has no sync point inside
+  (``probes.horizon_from_end_wait`` of ``probes.end_wait``: every rank's time of the same rounds),
+  the jitter refitted at it. Rounds of 1, 4, 16 and 64 ms of matrix products, each followed by a
+  small all-reduce (``_sync_jitter``), give the microbenchmark's jitter and horizon, kept in the
+  comments (``sync_jitter_microbenchmark``, ``sync_jitter_horizon_microbenchmark``): four noisy
+  points, whose horizon moved from 4 ms to none between calibrations (session 20).
+  ``step_seconds`` charges the jitter at every sync point of a plan's step (the cost tables keep the
   per-op ``sync_stretch``);
 * **redistribution overhead**: a DTensor redistribution that moves no byte (Replicate -> Shard, a
   local chunk with its autograd node; ``_redistribute_overhead``), charged per direction of every
@@ -84,6 +88,7 @@ import argparse
 import datetime
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -91,7 +96,8 @@ import yaml
 
 from shardplan.execute.plans import tensor_parallel
 from shardplan.execute.probes import (COMPUTE_PROBE, PROBE, best_and_median, best_time, build_probe,
-                                      dispatch_overhead, end_wait, fit_efficiency, fit_sync_jitter, jitter_law,
+                                      dispatch_overhead, end_wait, fit_efficiency, fit_sync_jitter, horizon_from_end_wait,
+                                      jitter_law,
                                       local_time, probe_kernel_seconds, probe_tables, product_efficiency,
                                       round_rank_times, sharded_dispatch_ratio, slowest_rank_seconds,
                                       step_bandwidth, typical_step)
@@ -454,15 +460,23 @@ def measure(reps: int = 10, n: int = 512) -> dict:
                                               "rounds_ms": [round(1e3 * t, 3) for t in rounds[1]]}
         m["sync_jitter_best_step"] = fit_sync_jitter(tp[0], tp_graph, cluster, p, tensor_parallel)
         # anchored at the compute probe's step the rates were fitted to (``probes[1]``'s seconds)
-        m["sync_jitter"] = fit_sync_jitter(typical_step(*rounds, probe_seconds[1]), tp_graph, cluster, p,
-                                           tensor_parallel)
+        typical = typical_step(*rounds, probe_seconds[1])
+        m["sync_jitter"] = fit_sync_jitter(typical, tp_graph, cluster, p, tensor_parallel)
         # the replicated probe has no sync point inside its step: the wait for the slowest rank at its
-        # end is ``sync_jitter x sqrt(min(T, horizon))`` after T of compute, so it places the horizon
-        # on a whole step; kept in the comments only, to be set against the microbenchmark's horizon
+        # end is ``sync_jitter x sqrt(min(T, horizon))`` after its T of compute, so it places the
+        # horizon on a whole step (``probes.horizon_from_end_wait``); the microbenchmark's horizon,
+        # fitted from four noisy points (4 ms to none between calibrations), stays in the comments
         wait = end_wait(ranks[1])
-        implied = (wait / m["sync_jitter"]) ** 2 if m["sync_jitter"] > 0 else None
-        m["replicated_probe_end_wait"] = {"seconds": wait, "step_seconds": rep[1],
-                                          "implied_horizon": implied if implied is None or implied < rep[1] else None}
+
+        def refit(h):
+            at = replace(cluster, device=replace(cluster.device, sync_jitter_horizon=h))
+            return fit_sync_jitter(typical, tp_graph, at, p, tensor_parallel)
+
+        horizon, jitter_at = horizon_from_end_wait(wait, probe_seconds[1], refit)
+        m["replicated_probe_end_wait"] = {"seconds": wait, "step_seconds": probe_seconds[1]}
+        m["sync_jitter_horizon_microbenchmark"] = m["sync_jitter_horizon"]
+        m["sync_jitter_at_microbenchmark_horizon"] = m["sync_jitter"]
+        m["sync_jitter_horizon"], m["sync_jitter"] = horizon, jitter_at
     return m
 
 

@@ -361,6 +361,23 @@ JITTER_HORIZONS = (None, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3)
 """Candidate ``Device.sync_jitter_horizon`` values (seconds; None: none) that :func:`jitter_law` tries."""
 
 
+def horizon_from_end_wait(wait: float, step: float, fit) -> tuple[float | None, float]:
+    """(``Device.sync_jitter_horizon`` in s or None, ``Device.sync_jitter`` at it) that price a step
+    with no sync point inside at its measured end wait: for each candidate of ``JITTER_HORIZONS``,
+    ``fit(horizon)`` gives the jitter refitted at it (``fit_sync_jitter`` on the tensor-parallel
+    probe), and the horizon whose ``jitter x sqrt(min(step, horizon))`` comes nearest ``wait`` (s,
+    :func:`end_wait` of the replicated probe, whose compute is ``step`` seconds) wins, the earliest
+    on a tie. The law is then pinned at both ends: the tensor-parallel probe's short segments set
+    the jitter, a whole step's wait the horizon."""
+    best = (float("inf"), None, 0.0)
+    for h in JITTER_HORIZONS:
+        j = fit(h)
+        err = abs(j * math.sqrt(step if h is None else min(step, h)) - wait)
+        if err < best[0] - 1e-12:
+            best = (err, h, j)
+    return best[1], best[2]
+
+
 def jitter_law(points) -> tuple[float, float | None]:
     """(``sync_jitter`` in s^0.5, ``sync_jitter_horizon`` in s or None) that best fit measured waits:
     ``points`` are ``(compute seconds T, wait seconds w)``; for each horizon ``h`` of
