@@ -1,7 +1,7 @@
 """Predicted vs measured step time of several plans on this machine (prints a table, not a test).
 
     python benchmarks/fidelity.py [--devices 2] [--steps 5] [--repeats 3] [--measure-seconds S] [--cluster FILE]
-                                  [--models llama,torch_cnn]
+                                  [--models llama,torch_cnn] [--out DIR]
 
 Without ``--cluster`` it runs ``shardplan calibrate`` on the same number of ranks right before each
 model's launches (the shared machine's speed drifts within minutes). For one
@@ -41,12 +41,16 @@ searched plan may be data parallel) are marked ``= other``. With ``--repeats R``
 times; the numerics are checked (``--check``) on the first. With ``--measure-seconds S`` a model whose
 steps are short runs more of them: at least ``S`` seconds per plan and launch by the predictions
 (``max(--steps, ceil(S / mean predicted step))``), so that the CNN's 25 ms steps are sampled as long
-as Llama's 0.2 s ones and near-tied plans are told apart by more rounds, not by fewer.
+as Llama's 0.2 s ones and near-tied plans are told apart by more rounds, not by fewer. The plan files,
+the calibrated cluster files and every launch's records (``<model>-runs.json.gz``: each plan's steps,
+prediction and check) stay in the folder printed last (``--out DIR`` names it), so that
+``benchmarks/reprice.py`` can set a changed cost model against the same measurements offline.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -124,12 +128,17 @@ def main() -> None:
                     help="launch the interleaved run this many times and keep each plan's fastest step "
                          "(the shared 2-core machine moves a plan's step by up to 40%% between runs)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    ap.add_argument("--out", default=None,
+                    help="keep the plan files, calibrated clusters and every launch's records in this folder "
+                         "(default: a new temporary one); benchmarks/reprice.py reprices them under changed code")
     args = ap.parse_args()
     names = [m for m in args.models.split(",") if m]
     unknown = [m for m in names if m not in MODELS]
     if unknown:
         ap.error(f"unknown model {unknown[0]!r}; expected some of {', '.join(MODELS)}")
-    tmp = tempfile.mkdtemp(prefix="fidelity-")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    tmp = args.out or tempfile.mkdtemp(prefix="fidelity-")
     print("| model | plan | predicted s | best s | best / predicted | median s | median / predicted "
           "| paired (x fastest) | check | spread of best |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -183,6 +192,8 @@ def main() -> None:
         done = [p for p in plans if runs[p]]
         if not done:
             continue
+        with gzip.open(os.path.join(tmp, f"{name}-runs.json.gz"), "wt") as fh:  # every launch's records
+            json.dump({p: runs[p] for p in done}, fh)
         same = {p: next((q for q in done[:i] if list(plans[q]) == list(plans[p])), None) for i, p in enumerate(done)}
         rounds = [[t for o in runs[p] for t in o["step_seconds"]] for p in done]
         rel = paired(rounds)
@@ -211,6 +222,7 @@ def main() -> None:
                          kendall_tau(*[[h[i] for i in hand] for h in halves]))))
     for line in calibrations:
         print(line)
+    print(f"plan files, calibrated clusters and every launch's records (<model>-runs.json.gz): {tmp}")
     for name, tau, tau_pair, tau_med, ceiling, within, within_med, n, k, (ci_pair, ci_best), hand in summary:
         print(f"{name}: Kendall tau over {n} plans = {tau:.2f} on best steps (rounds resampled: 90% in "
               f"{ci_best[0]:.2f}-{ci_best[1]:.2f}), {tau_pair:.2f} paired over {k} rounds ({ci_pair[0]:.2f}-"

@@ -709,6 +709,34 @@ def test_jitter_walk_by_hand():
                          bwd_sync=[True, False, False], moved=[False, True, False], reduces=True, after_backward=9)
     assert waits == {("before fwd", 1): 1.0, ("after fwd", 2): math.sqrt(8), ("inputs bwd", 1): math.sqrt(6),
                      ("after bwd", 0): math.sqrt(2), ("reduce", -1): 0.0, ("end", -1): 3.0}
+    # exponent 0: one jitter per sync point with compute before it, none where there is none (the
+    # reduction right after a sync point); exponent 1: the compute itself; a 4 s horizon caps T
+    kw = dict(fwd=[1, 3, 5], bwd=[2, 2, 4], fwd_sync=[False, False, True], bwd_sync=[True, False, False],
+              moved=[False, True, False], reduces=True, after_backward=9)
+    flat = jitter_waits(0.5, exponent=0.0, **kw)
+    assert list(flat.values()) == [0.5, 0.5, 0.5, 0.5, 0.0, 0.5]
+    assert list(jitter_waits(1.0, exponent=1.0, **kw).values()) == [1.0, 8.0, 6.0, 2.0, 0.0, 9.0]
+    assert list(jitter_waits(1.0, exponent=1.0, horizon=4.0, **kw).values()) == [1.0, 4.0, 4.0, 2.0, 0.0, 4.0]
+
+
+def test_the_jitter_exponent_round_trips_and_is_checked():
+    """A cluster file keeps a device's ``sync_jitter_exponent`` (and leaves out the default 0.5); an
+    exponent outside [0, 1] is refused by name, in the file as in code."""
+    import dataclasses
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+
+    base = cluster()
+    flat = dataclasses.replace(base, device=dataclasses.replace(base.device, sync_jitter=0.002, sync_jitter_exponent=0.1))
+    assert cluster_from_dict(cluster_to_dict(flat)).device.sync_jitter_exponent == 0.1
+    assert "sync_jitter_exponent" not in cluster_to_dict(base)["device"]
+    with pytest.raises(ClusterError, match="sync_jitter_exponent"):
+        dataclasses.replace(base.device, sync_jitter_exponent=1.5)
+    raw = cluster_to_dict(flat)
+    raw["device"]["sync_jitter_exponent"] = -0.2
+    with pytest.raises(ClusterError, match="sync_jitter_exponent"):
+        cluster_from_dict(raw)
 
 
 def two_linears_tables(devices=2):

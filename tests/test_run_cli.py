@@ -112,7 +112,7 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     # the raw measurements in the file's comments keep every round of the typical-step probes
     raw = yaml.safe_load("\n".join(line[4:] for line in out.read_text().splitlines() if line.startswith("#   ")))
     for probe in ("tensor_parallel_probe_step_seconds", "replicated_probe_step_seconds"):
-        assert len(raw[probe]["rounds_ms"]) == 12  # three blocks of 2 x --reps rounds
+        assert len(raw[probe]["rounds_ms"]) == 24  # three blocks of 4 x --reps rounds
         assert min(raw[probe]["rounds_ms"]) == pytest.approx(1e3 * raw[probe]["best"], abs=1e-3)
     # the replicated probe's wait at its step's end, and the horizon it implies (None: beyond the step)
     end = raw["replicated_probe_end_wait"]
@@ -120,6 +120,13 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     # the horizon is the one of probes.JITTER_HORIZONS that prices that wait; the microbenchmark's is kept
     assert cluster.device.sync_jitter_horizon in JITTER_HORIZONS
     assert raw["sync_jitter_horizon_microbenchmark"] in JITTER_HORIZONS
+    assert cluster.device.sync_jitter_exponent == 0.5  # the square root
+    # the exponent law with no horizon, kept in the comments: it prices the same end wait unless that
+    # lies outside what exponents 0 to 1 allow
+    fit = raw["sync_jitter_exponent_fit"]
+    assert 0 <= fit["exponent"] <= 1 and fit["sync_jitter"] >= 0
+    if 0 < fit["exponent"] < 1:
+        assert fit["sync_jitter"] * end["step_seconds"] ** fit["exponent"] == pytest.approx(end["seconds"], rel=1e-3)
 
 
 def test_product_efficiency_by_hand():
@@ -409,6 +416,25 @@ def test_every_rank_s_time_and_the_wait_at_a_step_s_end():
     assert all(t >= 0.008 for t in slowest[0]) and one >= 0.008
     assert end_wait(ranks[0]) == pytest.approx(statistics.mean((r[1] - r[0]) / 2 for r in ranks[0]))
     assert 0.002 <= end_wait(ranks[0]) <= 0.006
+
+
+def test_the_exponent_prices_the_probe_and_a_whole_step_s_end_wait():
+    """A probe with 15 sync points after 2 to 6 ms of compute each, priced at a law of 0.004 s^0.9 x
+    T^0.1 (its typical step 20 ms over the rest of the model's price, about what the calibration's
+    tensor-parallel probe shows): ``fit(a)`` is the jitter that prices the probe's excess at exponent
+    ``a``, and the end wait of an 80 ms step priced at the same law brings back exponent 0.1 and
+    jitter 0.004. An end wait under what exponent 0 prices gives 0 (a wait per sync point), one over
+    what 1 prices gives 1; a probe with nothing to fit gives the default exponent and no jitter."""
+    from shardplan.execute.probes import exponent_from_end_wait
+
+    segments = [0.002 + 0.004 * i / 14 for i in range(15)]
+    excess = 0.004 * sum(t ** 0.1 for t in segments)
+    fit = lambda a: excess / sum(t ** a for t in segments)
+    a, j = exponent_from_end_wait(0.004 * 0.08 ** 0.1, 0.08, fit)
+    assert a == pytest.approx(0.1, abs=1e-5) and j == pytest.approx(0.004, rel=1e-4)
+    assert exponent_from_end_wait(1e-5, 0.08, fit) == (0.0, pytest.approx(excess / 15))
+    assert exponent_from_end_wait(1.0, 0.08, fit) == (1.0, fit(1.0))
+    assert exponent_from_end_wait(0.001, 0.08, lambda a: 0.0) == (0.5, 0.0)
 
 
 def test_the_horizon_prices_a_whole_step_s_end_wait():

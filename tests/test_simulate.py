@@ -183,21 +183,23 @@ def zoo_cases():
 CASES = zoo_cases()
 
 
-@pytest.mark.parametrize("horizon", [None, 1e-4])
+@pytest.mark.parametrize("horizon,exponent", [(None, 0.5), (1e-4, 0.5), (None, 0.1)])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0].name}-{c[3]}" for c in CASES])
-def test_serial_simulation_with_jitter_equals_the_predicted_step(case, horizon):
+def test_serial_simulation_with_jitter_equals_the_predicted_step(case, horizon, exponent):
     """With a ``sync_jitter`` (and a ``sync_stretch``, which it replaces) on the device, the serial
     simulation adds up to ``cost.step.step_seconds``: the jitter waits are tasks at the plan's
     sync points, the per-op stretch is gone from the compute, and on more than one device the step
     ends with a wait. With a ``sync_jitter_horizon`` of 0.1 ms both cap the waits alike (every
-    wait at most ``sync_jitter x sqrt(0.1 ms)``, the total at most the uncapped one)."""
+    wait at most ``sync_jitter x sqrt(0.1 ms)``, the total at most the uncapped one); with a
+    ``sync_jitter_exponent`` of 0.1 both place the same flatter waits."""
     import dataclasses
 
     from shardplan.cost.step import step_seconds, sync_waits
 
     g, cl, _, label, choice = case
     jittery = dataclasses.replace(cl, device=dataclasses.replace(cl.device, sync_jitter=0.01, sync_stretch=0.2,
-                                                                 sync_jitter_horizon=horizon))
+                                                                 sync_jitter_horizon=horizon,
+                                                                 sync_jitter_exponent=exponent))
     model = AnalyticCostModel(jittery)
     tables = build_tables(g, model, 8)
     waits, stretch = sync_waits(model, tables, choice)

@@ -86,20 +86,30 @@ class Device:
     0 for the datasheet presets; measured by ``shardplan calibrate``. Collectives that overlap the
     backward pass (weight-gradient buckets) are no sync point."""
     sync_jitter: float = 0.0
-    """Seconds waited at a sync point per square root of the seconds of compute since the previous one
-    (s^0.5): ranks' speeds jitter independently, so after ``T`` seconds of compute the slowest of them
-    trails the others by about ``sync_jitter x sqrt(T)``, and a collective on the critical path (or the
-    end of a step timed on the slowest rank) waits that long. On this 2-core VM, compute phases of 0.5,
+    """Seconds waited at a sync point per ``T ^ sync_jitter_exponent``, ``T`` the seconds of compute
+    since the previous one (s^0.5 at the default exponent): ranks' speeds jitter independently, so
+    after ``T`` seconds of compute the slowest of them trails the others, by about
+    ``sync_jitter x sqrt(T)`` for a random walk, and a collective on the critical path (or the end of
+    a step timed on the slowest rank) waits that long. On this 2-core VM, compute phases of 0.5,
     2, 8 and 32 ms followed by an all-reduce waited 0.45, 0.85, 1.9 and 2.7 ms (about
-    ``0.019 sqrt(T)``): a square-root law, not a fixed fraction. A plan-level term
+    ``0.019 sqrt(T)``) in lock-step rounds of matrix products: a law of ``T``, not a fixed fraction
+    of it; inside real steps the wait grows more slowly (``sync_jitter_exponent``). A plan-level term
     (``cost.step.step_seconds``: it depends on where the plan's sync points fall, so it has no
     per-op share); 0 for the datasheet presets, measured by ``shardplan calibrate``."""
     sync_jitter_horizon: float | None = None
     """Seconds of compute after which the wait at a sync point stops growing: the wait is
-    ``sync_jitter x sqrt(min(T, sync_jitter_horizon))``. None = no horizon (the square root holds for
-    any ``T``). Measured by ``shardplan calibrate``: on this 2-core VM rounds of 16, 64 and 128 ms
-    of compute before an all-reduce waited 1.3-1.8, 1.3-2.2 and 2.3-2.8 ms, where the square root of
-    the short rounds' law says 2.6-3.6 and 3.7-5.1 ms for the long ones."""
+    ``sync_jitter x min(T, sync_jitter_horizon) ^ sync_jitter_exponent``. None = no horizon (the law
+    holds for any ``T``). On this 2-core VM rounds of 16, 64 and 128 ms of compute before an
+    all-reduce waited 1.3-1.8, 1.3-2.2 and 2.3-2.8 ms, where the square root of the short rounds' law
+    says 2.6-3.6 and 3.7-5.1 ms for the long ones."""
+    sync_jitter_exponent: float = 0.5
+    """The power of the compute since the last sync point that the wait grows with, in [0, 1]:
+    ``wait = sync_jitter x T ^ sync_jitter_exponent`` (``sync_jitter`` in s^(1 - exponent)). 0.5 is a
+    random walk's square root; 0 a fixed wait per sync point. ``shardplan calibrate`` fits it with
+    the jitter, so that both the tensor-parallel probe's typical step (many sync points a few ms
+    apart) and the replicated probe's wait at its step's end (one sync point after 70-90 ms) are
+    priced: 0.06-0.12 on this VM, where a sync point waits about 1 ms after 2 ms of compute and
+    1.5 ms after 80 (docs/fidelity.md, session 21)."""
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
     """A matrix product's FLOP rate over the large matmul's, by the product's smallest local dimension:
     ``((m_1, e_1), (m_2, e_2), ...)`` with rising ``m``; between points the rate is interpolated in
@@ -130,11 +140,13 @@ class Device:
             _check_curve(name, getattr(self, name))
         for f in ("peak_flops", "memory_bytes", "memory_bandwidth", "conv_efficiency"):
             _check_number("device.", f, getattr(self, f), positive=True)
-        for f in ("op_overhead", "sync_stretch", "sync_jitter", "redistribute_overhead"):
+        for f in ("op_overhead", "sync_stretch", "sync_jitter", "sync_jitter_exponent", "redistribute_overhead"):
             _check_number("device.", f, getattr(self, f), positive=False)
         for f in ("elementwise_bandwidth", "pool_bandwidth", "sync_jitter_horizon"):
             _check_number("device.", f, getattr(self, f), positive=True, optional=True)
         _check_number("device.", "split_op_overhead", self.split_op_overhead, positive=False, optional=True)
+        if not 0 <= self.sync_jitter_exponent <= 1:
+            raise ClusterError(f"device.sync_jitter_exponent must be in [0, 1], got {self.sync_jitter_exponent!r}")
         if not 0 < self.efficiency <= 1:
             raise ClusterError(f"device.efficiency must be in (0, 1], got {self.efficiency!r}")
 

@@ -79,6 +79,7 @@ _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memo
                   "efficiency": float, "op_overhead": float, "conv_efficiency": float, "gemm_efficiency": list,
                   "conv_reduction_efficiency": list, "conv_rows_efficiency": list,
                   "split_op_overhead": float, "sync_stretch": float, "sync_jitter": float, "sync_jitter_horizon": float,
+                  "sync_jitter_exponent": float,
                   "pool_bandwidth": float, "elementwise_bandwidth": float, "redistribute_overhead": float,
                   "all_to_all_by_gather": bool}
 _LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float, "gather_bandwidth": float,
@@ -189,6 +190,7 @@ def cluster_to_dict(cluster: Cluster) -> dict:
                        **({"sync_stretch": d.sync_stretch} if d.sync_stretch else {}),
                        **({"sync_jitter": d.sync_jitter} if d.sync_jitter else {}),
                        **({"sync_jitter_horizon": d.sync_jitter_horizon} if d.sync_jitter_horizon else {}),
+                       **({"sync_jitter_exponent": d.sync_jitter_exponent} if d.sync_jitter_exponent != 0.5 else {}),
                        **({"pool_bandwidth": d.pool_bandwidth} if d.pool_bandwidth is not None else {}),
                        **({"elementwise_bandwidth": d.elementwise_bandwidth}
                           if d.elementwise_bandwidth is not None else {}),

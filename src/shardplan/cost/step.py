@@ -9,8 +9,6 @@ plans for a local search (``search.polish``). Formulas in ``docs/cost_model.md``
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from shardplan.cost.analytic import PER_ITERATION, AnalyticCostModel
@@ -18,12 +16,12 @@ from shardplan.cost.analytic import PER_ITERATION, AnalyticCostModel
 
 def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bool,
                  after_backward: float, horizon: float | None = None,
-                 moved_back=None) -> dict[tuple[str, int], float]:
+                 moved_back=None, exponent: float = 0.5) -> dict[tuple[str, int], float]:
     """Seconds waited at each sync point of one training step, in program order (see ``sync_waits``):
     ``{("before fwd", i): s, ("after fwd", i): s, ("after bwd", i): s, ("inputs bwd", i): s,
-    ("reduce", -1): s, ("end", -1): s}``, each ``jitter x sqrt(compute since the previous sync
-    point)``, the compute counted up to ``horizon`` seconds (``Device.sync_jitter_horizon``; None: all
-    of it). Per op ``i``: ``fwd[i]`` and ``bwd[i]`` its compute in each pass (seconds, no stretch),
+    ("reduce", -1): s, ("end", -1): s}``, each ``jitter x T ^ exponent``, ``T`` the compute since
+    the previous sync point counted up to ``horizon`` seconds (``Device.sync_jitter_exponent``,
+    ``Device.sync_jitter_horizon``; None: all of it; no compute, no wait). Per op ``i``: ``fwd[i]`` and ``bwd[i]`` its compute in each pass (seconds, no stretch),
     ``fwd_sync[i]`` / ``bwd_sync[i]`` whether a critical collective ends that pass, ``moved[i]``
     whether a collective brings it an input (a redistribution that moves bytes between ranks),
     ``moved_back[i]`` whether one takes an input's gradient back (None: as ``moved``); ``reduces``:
@@ -36,7 +34,8 @@ def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bo
 
     def sync(key: tuple[str, int]) -> None:
         nonlocal since
-        waits[key] = jitter * math.sqrt(since if horizon is None else min(since, horizon))
+        t = since if horizon is None else min(since, horizon)
+        waits[key] = jitter * t ** exponent if t > 0 else 0.0
         since = 0.0
 
     for i in range(len(fwd)):
@@ -65,8 +64,9 @@ def sync_waits(model: AnalyticCostModel, tables, choice) -> tuple[float, float]:
     compute of an op whose pass ends in a critical collective), so that the search's objective adds
     up over ops. What the ranks actually wait depends on how much compute lies between two sync
     points, which is a property of the whole plan: after ``T`` seconds of compute since the last
-    sync point the slowest rank trails by about ``sync_jitter x sqrt(T)`` (``Device.sync_jitter``;
-    ``T`` counted up to ``Device.sync_jitter_horizon``, after which the wait stops growing).
+    sync point the slowest rank trails by about ``sync_jitter x T ^ exponent`` (``Device.sync_jitter``
+    and ``Device.sync_jitter_exponent``, 0.5 for a random walk; ``T`` counted up to
+    ``Device.sync_jitter_horizon``, after which the wait stops growing).
     The walk (``jitter_waits``) follows one step in program order, as ``shardplan run`` takes it:
 
     * forward, op by op: a redistribution into the op that moves bytes between ranks (a collective;
@@ -128,6 +128,7 @@ class StepObjective:
         self.tables = tables
         self.jitter = model.cluster.device.sync_jitter if tables.devices > 1 else 0.0
         self.horizon = model.cluster.device.sync_jitter_horizon
+        self.exponent = model.cluster.device.sync_jitter_exponent
         rows = rows if rows is not None else [np.arange(len(c)) for c in tables.configs]
         self.rows = rows
         parts = {k: [] for k in ("fwd", "bwd", "fwd_sync", "bwd_sync", "stretch", "reduces", "after")}
@@ -178,7 +179,7 @@ class StepObjective:
             moved_back=moved[1],
             reduces=bool(f["reduces"][idx].any()),
             after_backward=float(f["after"][idx].sum()),
-            horizon=self.horizon)
+            horizon=self.horizon, exponent=self.exponent)
         return sum(waits.values()), stretch
 
     def __call__(self, choice) -> float:

@@ -135,6 +135,21 @@ def probe_step(p: int, reps: int, probe: dict | None = None, layout: str = "repl
     return local_time(step, reps, inner=2), graph, units
 
 
+def probe_model(probe: dict | None = None):
+    """(module, example kwargs, captured graph) of the probe Llama of size ``probe`` (None: a tiny one),
+    seeded: what :func:`build_probe` applies, and what a saved calibration's fits are redone on
+    (:func:`wait_laws`)."""
+    from shardplan.capture import capture
+    from shardplan.capture.models import build
+
+    torch.manual_seed(0)
+    size = probe or dict(batch=2, seq=8, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    module, kwargs = build("llama", **size)
+    module.eval()
+    return module, kwargs, capture(module, (), kwargs, name="llama")
+
+
 def build_probe(p: int, probe: dict | None = None, layout: str = "replicated"):
     """(one training step, captured graph, dispatch units) of a Llama applied on the mesh of all
     ranks as ``shardplan run`` applies plans, in ``layout`` (see ``LAYOUTS``); the step
@@ -142,18 +157,11 @@ def build_probe(p: int, probe: dict | None = None, layout: str = "replicated"):
     Dispatch units: 3 x its exported aten calls plus one per parameter update (the cost model charges
     each captured op ``3 x dispatches x op_overhead`` and each distinct parameter's update one
     ``op_overhead``; ``cost.analytic``). ``probe`` sets the Llama's size."""
-    from shardplan.capture import capture
-    from shardplan.capture.models import build
     from shardplan.execute.apply import apply
     from shardplan.plan import Plan
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.manual_seed(0)
-    size = probe or dict(batch=2, seq=8, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64)
-    module, kwargs = build("llama", **size)
-    module.eval()
-    graph = capture(module, (), kwargs, name="llama")
+    module, kwargs, graph = probe_model(probe)
     tables, choice = probe_tables(graph, p, layout)
     pm = apply(module, graph, Plan.from_choice(tables, choice), init_device_mesh("cpu", (p,)))
     calls = sum(op.attr("dispatches", 0) for op in graph.ops)
@@ -376,6 +384,58 @@ def horizon_from_end_wait(wait: float, step: float, fit) -> tuple[float | None, 
         if err < best[0] - 1e-12:
             best = (err, h, j)
     return best[1], best[2]
+
+
+def exponent_from_end_wait(wait: float, step: float, fit, iterations: int = 20) -> tuple[float, float]:
+    """(``Device.sync_jitter_exponent`` in [0, 1], ``Device.sync_jitter`` at it) of the law
+    ``wait = jitter x T ^ exponent`` (no horizon) that prices both a sync-heavy probe's typical step
+    and the wait at the end of a step with no sync point inside: ``fit(exponent)`` gives the jitter
+    that prices the probe (``fit_sync_jitter`` on the tensor-parallel probe, whose sync points come a
+    few ms of compute apart) and ``wait`` (s, :func:`end_wait` of the replicated probe) comes after
+    ``step`` seconds of compute. The end wait priced, ``fit(a) x step ^ a``, grows with ``a`` (the
+    probe's waits are fixed in sum, and each of its segments is shorter than ``step``), so the
+    exponent is found by bisection; 0 (one wait per sync point, whatever the compute before it) or 1
+    where the end wait lies outside what the probe allows. A probe priced at or over its step by
+    the rest of the model (jitter 0 at every exponent) gives (0.5, 0.0)."""
+    def priced(a: float) -> tuple[float, float]:
+        j = fit(a)
+        return j * step ** a, j
+
+    lo, hi = 0.0, 1.0
+    (at_lo, j_lo), (at_hi, j_hi) = priced(lo), priced(hi)
+    if j_lo <= 0 and j_hi <= 0:
+        return 0.5, 0.0
+    if at_lo >= wait:
+        return lo, j_lo
+    if at_hi <= wait:
+        return hi, j_hi
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        if priced(mid)[0] > wait:
+            hi = mid
+        else:
+            lo = mid
+    a = (lo + hi) / 2
+    return a, fit(a)
+
+
+def wait_laws(typical: float, wait: float, step: float, graph, cluster, p: int, choose) -> dict:
+    """The waits' laws pinned at a sync-heavy probe's typical step (``typical`` seconds, its plan
+    ``choose(tables)`` on ``graph``, every other rate from ``cluster``) and at the wait ``wait`` at the
+    end of a step of ``step`` seconds with no sync point inside (:func:`end_wait`):
+    ``{"horizon": (sync_jitter_horizon, sync_jitter)}``, the square root capped at the horizon of
+    :func:`horizon_from_end_wait`, and ``{"exponent": (sync_jitter_exponent, sync_jitter)}``, no
+    horizon and the exponent of :func:`exponent_from_end_wait`. ``execute.calibrate`` prices by the
+    first and keeps the second in its comments; ``benchmarks/reprice.py --refit`` redoes both from a
+    saved calibration's comments."""
+    from dataclasses import replace
+
+    def at(**fields):
+        return fit_sync_jitter(typical, graph, replace(cluster, device=replace(cluster.device, **fields)), p, choose)
+
+    return {"horizon": horizon_from_end_wait(wait, step, lambda h: at(sync_jitter_horizon=h)),
+            "exponent": exponent_from_end_wait(
+                wait, step, lambda a: at(sync_jitter_horizon=None, sync_jitter_exponent=a))}
 
 
 def jitter_law(points) -> tuple[float, float | None]:

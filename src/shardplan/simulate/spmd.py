@@ -22,8 +22,8 @@ Per op, in program order (the analytic model's items, ``AnalyticCostModel.node_c
 * with a ``sync_jitter`` on the device (and more than one device), a wait task on the comm stream at
   every sync point of the prediction's walk (``cost.step.jitter_waits``: before a redistribution
   wherever it is a collective, in either pass; before an op's critical collectives, before the
-  gradient reduction, at the step's end), each ``sync_jitter x sqrt(compute since the previous
-  one)`` (up to ``sync_jitter_horizon``), and the compute tasks without the per-op stretch: without
+  gradient reduction, at the step's end), each ``sync_jitter x (compute since the previous
+  one) ^ sync_jitter_exponent`` (up to ``sync_jitter_horizon``), and the compute tasks without the per-op stretch: without
   overlap the iteration is then ``cost.step.step_seconds``.
 
 Symmetry: under the analytic model every device of an SPMD plan runs the same tasks with the same
@@ -175,7 +175,7 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
     tg.static_bytes[dev] = static
 
     # jitter waits (``cost.step.jitter_waits``, the walk the prediction uses): at every sync point,
-    # sync_jitter x sqrt(the compute since the previous one), in place of the per-op stretch; a task
+    # sync_jitter x (the compute since the previous one) ^ exponent, in place of the per-op stretch; a task
     # on the comm stream before the collective it delays
     jitter = cluster.device.sync_jitter if devices > 1 else 0.0
     waits: dict = {}
@@ -194,7 +194,7 @@ def build_spmd(prep: Prepared, choice, devices: int, *, overlap: bool = True, op
             moved_back=[bool(syncs[i] & 2) for i in range(n)],
             reduces=any(sec[r] > 0 for r, e in rows for _, _, sec in e.grad_comm),
             after_backward=sum(sec[r] for r, e in rows for _, sec in e.grad_pack) + sum(updates),
-            horizon=cluster.device.sync_jitter_horizon)
+            horizon=cluster.device.sync_jitter_horizon, exponent=cluster.device.sync_jitter_exponent)
 
     def wait(key, label: str, deps, priority: int = 0) -> int:
         return add(f"sync wait ({label})", waits[key], [M], deps, priority=priority, kind="wait")
