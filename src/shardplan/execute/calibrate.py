@@ -47,9 +47,9 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   compute, ``wait = sync_jitter x sqrt(min(T, sync_jitter_horizon))``. The jitter is fitted to the
   compute probe run tensor parallel (Megatron's plan: an all-reduce on the critical path after every
   attention and MLP block, forward and backward), at every other rate calibrated here, so that
-  ``cost.step.step_seconds`` prices that step's typical time (``fit_sync_jitter`` of
+  ``cost.step.step_seconds`` prices that step's expected time (``fit_sync_jitter`` of
   ``probes.typical_step``: over 120 rounds that alternate it with the replicated probe, in three
-  blocks spread over the calibration, the median of each round's ratio of the two times the
+  blocks spread over the calibration, the mean of each round's ratio of the two times the
   replicated probe's step that the rates were fitted to (its best batch of two steps, above); the
   best step's fit is kept in the comments as ``sync_jitter_best_step``). The horizon is the one that
   prices the replicated probe's wait at its step's end, which has no sync point inside
@@ -438,7 +438,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
          "seconds": {"mm": t_mm, "copy": t_copy, **dict(zip(NETWORK, net or ()))}}
     if p > 1:
         # the waits at sync points, fitted to a tensor-parallel probe's typical step at every other
-        # rate calibrated above (``probes.typical_step``: the median of its rounds' ratios to the
+        # rate calibrated above (``probes.typical_step``: the mean of its rounds' ratios to the
         # replicated probe's, over three blocks of rounds, times the replicated probe's step that the
         # rates were fitted to). The synthetic
         # rounds' figure (kept in the comments) waits for a peer in lock-step microbenchmarks only, and

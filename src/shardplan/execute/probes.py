@@ -102,9 +102,9 @@ def paired_times(steps, rounds: int) -> list[tuple[float, float]]:
 
 
 def typical_step(tp: list[float], replicated: list[float], replicated_step: float) -> float:
-    """A sync-heavy probe's typical step, in the units of the calibrated rates: the median over rounds
+    """A sync-heavy probe's expected step, in the units of the calibrated rates: the mean over rounds
     of ``tp_i / replicated_i`` (each round's two steps from :func:`round_times`, taken back to back,
-    as ``benchmarks/fidelity.py``'s "paired" measure ranks plans) times ``replicated_step``, the
+    as ``benchmarks/fidelity.py``'s "paired" measure pairs plans) times ``replicated_step``, the
     replicated probe's step that the rates were fitted to (``execute.calibrate``: its best batch,
     whose dispatch cost the fit reads).
 
@@ -112,11 +112,17 @@ def typical_step(tp: list[float], replicated: list[float], replicated_step: floa
     cancelled. Anchoring it at the rounds' own fastest replicated step (sessions 18-19) let that
     step's luck into the fit: in runs 20.2 and 20.3 the fastest of 60 rounds was 14% and 19% under
     the step the rates were fitted to, and the fitted jitter fell to 0.012 and 0.005, where the
-    calibrations anchored this way read 0.023-0.028 (docs/fidelity.md, session 20)."""
+    calibrations anchored this way read 0.023-0.028 (docs/fidelity.md, session 20).
+
+    The mean, not the median (sessions 18-20): the cost model adds up expected waits, and a sync
+    point's waits have a long tail that the median leaves out. Repriced on session 21's four
+    recorded runs, Llama ranks 0.94 paired on average with the mean, 0.85 with the median, the CNN
+    0.88 with either; a fourth run, taken after the first three had suggested it, went from 0.87 to
+    0.99. With 120 rounds one slow block moves the mean by a few thousandths."""
     if len(tp) != len(replicated) or not tp:
         raise ValueError(f"typical_step: {len(tp)} tensor-parallel and {len(replicated)} replicated rounds; "
                          "expected the same number, at least one")
-    return statistics.median(t / r for t, r in zip(tp, replicated)) * replicated_step
+    return statistics.mean(t / r for t, r in zip(tp, replicated)) * replicated_step
 
 
 PROBE = dict(batch=4, seq=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
