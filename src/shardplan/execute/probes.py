@@ -115,10 +115,10 @@ def typical_step(tp: list[float], replicated: list[float], replicated_step: floa
     calibrations anchored this way read 0.023-0.028 (docs/fidelity.md, session 20).
 
     The mean, not the median (sessions 18-20): the cost model adds up expected waits, and a sync
-    point's waits have a long tail that the median leaves out. Repriced on session 21's four
-    recorded runs, Llama ranks 0.94 paired on average with the mean, 0.85 with the median, the CNN
-    0.88 with either; a fourth run, taken after the first three had suggested it, went from 0.87 to
-    0.99. With 120 rounds one slow block moves the mean by a few thousandths."""
+    point's waits have a long tail that the median leaves out. Repriced on session 21's six
+    recorded runs (``benchmarks/reprice.py``), Llama ranks 0.93 paired on average with the mean,
+    0.86 with the median, the CNN 0.88 with either; run 21.4, taken after the first three had
+    suggested it, went from 0.87 to 0.99. With 120 rounds one slow block moves the mean by a few thousandths."""
     if len(tp) != len(replicated) or not tp:
         raise ValueError(f"typical_step: {len(tp)} tensor-parallel and {len(replicated)} replicated rounds; "
                          "expected the same number, at least one")
