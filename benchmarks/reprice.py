@@ -74,6 +74,10 @@ def measured(records: dict, plans: list[str]) -> tuple[list, list, list]:
     return best, paired(rounds), median
 
 
+_PROBE: dict = {}
+"""The probe Llama's captured graph, once per process (``refit`` needs it for every run)."""
+
+
 def raw_measurements(path: str) -> dict:
     """The raw measurements ``shardplan calibrate`` keeps in a cluster file's comments."""
     with open(path) as fh:
@@ -95,9 +99,6 @@ def refit(cluster, raw: dict, law: str):
     device = dataclasses.replace(cluster.device, sync_jitter=jitter, **{field: value},
                                  **({"sync_jitter_horizon": None} if law == "exponent" else {}))
     return dataclasses.replace(cluster, device=device)
-
-
-_PROBE: dict = {}
 
 
 def reprice(folder: str, name: str, device: dict, law: str | None = None) -> list[float]:

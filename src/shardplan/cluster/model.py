@@ -105,11 +105,12 @@ class Device:
     sync_jitter_exponent: float = 0.5
     """The power of the compute since the last sync point that the wait grows with, in [0, 1]:
     ``wait = sync_jitter x T ^ sync_jitter_exponent`` (``sync_jitter`` in s^(1 - exponent)). 0.5 is a
-    random walk's square root; 0 a fixed wait per sync point. ``shardplan calibrate`` fits it with
-    the jitter, so that both the tensor-parallel probe's typical step (many sync points a few ms
-    apart) and the replicated probe's wait at its step's end (one sync point after 70-90 ms) are
-    priced: 0.06-0.12 on this VM, where a sync point waits about 1 ms after 2 ms of compute and
-    1.5 ms after 80 (docs/fidelity.md, session 21)."""
+    random walk's square root; 0 a fixed wait per sync point. ``shardplan calibrate`` prices by the
+    square root capped at a horizon, and keeps in its file's comments the power law, with no
+    horizon, that prices both the tensor-parallel probe's typical step (many sync points a few ms
+    apart) and the replicated probe's wait at its step's end (one sync point after 70-90 ms):
+    exponents of 0 to 0.54 in session 21's calibrations, which ranked the fidelity CNN worse than the
+    square root (docs/fidelity.md, session 21). A cluster file may set it."""
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
     """A matrix product's FLOP rate over the large matmul's, by the product's smallest local dimension:
     ``((m_1, e_1), (m_2, e_2), ...)`` with rising ``m``; between points the rate is interpolated in

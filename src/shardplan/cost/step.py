@@ -21,13 +21,13 @@ def jitter_waits(jitter: float, fwd, bwd, fwd_sync, bwd_sync, moved, reduces: bo
     ``{("before fwd", i): s, ("after fwd", i): s, ("after bwd", i): s, ("inputs bwd", i): s,
     ("reduce", -1): s, ("end", -1): s}``, each ``jitter x T ^ exponent``, ``T`` the compute since
     the previous sync point counted up to ``horizon`` seconds (``Device.sync_jitter_exponent``,
-    ``Device.sync_jitter_horizon``; None: all of it; no compute, no wait). Per op ``i``: ``fwd[i]`` and ``bwd[i]`` its compute in each pass (seconds, no stretch),
-    ``fwd_sync[i]`` / ``bwd_sync[i]`` whether a critical collective ends that pass, ``moved[i]``
-    whether a collective brings it an input (a redistribution that moves bytes between ranks),
-    ``moved_back[i]`` whether one takes an input's gradient back (None: as ``moved``); ``reduces``:
-    a bucketed weight-gradient reduction follows the
-    backward pass; ``after_backward``: the bucket copies and updates before the step's end. The cost
-    model and the event simulator both place their waits by this one walk."""
+    ``Device.sync_jitter_horizon``; None: all of it; no compute, no wait). Per op ``i``: ``fwd[i]``
+    and ``bwd[i]`` its compute in each pass (seconds, no stretch), ``fwd_sync[i]`` /
+    ``bwd_sync[i]`` whether a critical collective ends that pass, ``moved[i]`` whether a collective
+    brings it an input (a redistribution that moves bytes between ranks), ``moved_back[i]`` whether
+    one takes an input's gradient back (None: as ``moved``); ``reduces``: a bucketed weight-gradient
+    reduction follows the backward pass; ``after_backward``: the bucket copies and updates before the
+    step's end. The cost model and the event simulator both place their waits by this one walk."""
     waits: dict[tuple[str, int], float] = {}
     since = 0.0
     moved_back = moved if moved_back is None else moved_back
