@@ -94,7 +94,7 @@ def refit(cluster, raw: dict, law: str):
     typical = typical_step([t / 1e3 for t in tp], [t / 1e3 for t in rep], step)
     graph = _PROBE.setdefault("graph", probe_model(COMPUTE_PROBE)[2])
     value, jitter = wait_laws(typical, raw["replicated_probe_end_wait"]["seconds"], step, graph, cluster,
-                              raw["world_size"], tensor_parallel)[law]
+                              raw["world_size"], tensor_parallel, laws=(law,))[law]
     field = "sync_jitter_horizon" if law == "horizon" else "sync_jitter_exponent"
     device = dataclasses.replace(cluster.device, sync_jitter=jitter, **{field: value},
                                  **({"sync_jitter_horizon": None} if law == "exponent" else {}))

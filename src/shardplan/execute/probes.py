@@ -114,11 +114,11 @@ def typical_step(tp: list[float], replicated: list[float], replicated_step: floa
     the step the rates were fitted to, and the fitted jitter fell to 0.012 and 0.005, where the
     calibrations anchored this way read 0.023-0.028 (docs/fidelity.md, session 20).
 
-    The mean, not the median (sessions 18-20): the cost model adds up expected waits, and a sync
+    The mean, not the median of sessions 18-20: the cost model adds up expected waits, and a sync
     point's waits have a long tail that the median leaves out. Repriced on session 21's six
     recorded runs (``benchmarks/reprice.py``), Llama ranks 0.93 paired on average with the mean,
     0.86 with the median, the CNN 0.88 with either; run 21.4, taken after the first three had
-    suggested it, went from 0.87 to 0.99. With 120 rounds one slow block moves the mean by a few thousandths."""
+    suggested it, went from 0.87 to 0.99."""
     if len(tp) != len(replicated) or not tp:
         raise ValueError(f"typical_step: {len(tp)} tensor-parallel and {len(replicated)} replicated rounds; "
                          "expected the same number, at least one")
@@ -425,23 +425,25 @@ def exponent_from_end_wait(wait: float, step: float, fit, iterations: int = 20) 
     return a, fit(a)
 
 
-def wait_laws(typical: float, wait: float, step: float, graph, cluster, p: int, choose) -> dict:
+def wait_laws(typical: float, wait: float, step: float, graph, cluster, p: int, choose,
+              laws=("horizon", "exponent")) -> dict:
     """The waits' laws pinned at a sync-heavy probe's typical step (``typical`` seconds, its plan
     ``choose(tables)`` on ``graph``, every other rate from ``cluster``) and at the wait ``wait`` at the
     end of a step of ``step`` seconds with no sync point inside (:func:`end_wait`):
     ``{"horizon": (sync_jitter_horizon, sync_jitter)}``, the square root capped at the horizon of
     :func:`horizon_from_end_wait`, and ``{"exponent": (sync_jitter_exponent, sync_jitter)}``, no
     horizon and the exponent of :func:`exponent_from_end_wait`. ``execute.calibrate`` prices by the
-    first and keeps the second in its comments; ``benchmarks/reprice.py --refit`` redoes both from a
-    saved calibration's comments."""
+    first and keeps the second in its comments; ``benchmarks/reprice.py --refit`` redoes one of them
+    from a saved calibration's comments (``laws``: which to fit, each some twenty jitter fits)."""
     from dataclasses import replace
 
     def at(**fields):
         return fit_sync_jitter(typical, graph, replace(cluster, device=replace(cluster.device, **fields)), p, choose)
 
-    return {"horizon": horizon_from_end_wait(wait, step, lambda h: at(sync_jitter_horizon=h)),
-            "exponent": exponent_from_end_wait(
+    fits = {"horizon": lambda: horizon_from_end_wait(wait, step, lambda h: at(sync_jitter_horizon=h)),
+            "exponent": lambda: exponent_from_end_wait(
                 wait, step, lambda a: at(sync_jitter_horizon=None, sync_jitter_exponent=a))}
+    return {law: fits[law]() for law in laws}
 
 
 def jitter_law(points) -> tuple[float, float | None]:
