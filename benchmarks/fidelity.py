@@ -94,6 +94,16 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return s / denom if denom else float("nan")
 
 
+def discordant(names: list[str], pred: list[float], meas: list[float]) -> list[tuple[str, str, float, float]]:
+    """The pairs the two rankings order oppositely: (plan a, plan b, measured a / b, predicted a / b), the
+    pairs the measurement ranks furthest apart first. How far apart a discordant pair measures says
+    whether the model misses a real difference or breaks a near tie."""
+    out = [(names[i], names[j], meas[i] / meas[j], pred[i] / pred[j])
+           for i in range(len(names)) for j in range(i + 1, len(names))
+           if (pred[i] - pred[j]) * (meas[i] - meas[j]) < 0]
+    return sorted(out, key=lambda d: -abs(math.log(d[2])))
+
+
 def paired(steps: list[list[float]]) -> list[float]:
     """Per plan, the median over rounds of its step's time over the round's geometric mean (``steps``:
     per plan, its step times in round order; every plan has the same rounds)."""
@@ -219,17 +229,20 @@ def main() -> None:
                         bootstrap_tau(pred, rounds),
                         (len(hand), kendall_tau([pred[i] for i in hand], [meas[i] for i in hand]),
                          kendall_tau([pred[i] for i in hand], [rel[i] for i in hand]),
-                         kendall_tau(*[[h[i] for i in hand] for h in halves]))))
+                         kendall_tau(*[[h[i] for i in hand] for h in halves])),
+                        discordant(done, pred, rel)))
     for line in calibrations:
         print(line)
     print(f"plan files, calibrated clusters and every launch's records (<model>-runs.json.gz): {tmp}")
-    for name, tau, tau_pair, tau_med, ceiling, within, within_med, n, k, (ci_pair, ci_best), hand in summary:
+    for name, tau, tau_pair, tau_med, ceiling, within, within_med, n, k, (ci_pair, ci_best), hand, pairs in summary:
         print(f"{name}: Kendall tau over {n} plans = {tau:.2f} on best steps (rounds resampled: 90% in "
               f"{ci_best[0]:.2f}-{ci_best[1]:.2f}), {tau_pair:.2f} paired over {k} rounds ({ci_pair[0]:.2f}-"
               f"{ci_pair[1]:.2f}), {tau_med:.2f} on medians; noise ceiling (even vs odd rounds) {ceiling:.2f}; "
               f"{within} of {n} predictions within 20% of the best step, {within_med} of {n} of the median")
         print(f"{name}, the {hand[0]} hand-made plans alone (no random plan): tau {hand[1]:.2f} on best steps, "
               f"{hand[2]:.2f} paired; noise ceiling {hand[3]:.2f}")
+        print(f"{name}, pairs ranked apart on the paired figure: " + ("; ".join(
+            f"{a} / {b} measured {m:.3f}, predicted {p:.3f}" for a, b, m, p in pairs) or "none"))
 
 
 if __name__ == "__main__":

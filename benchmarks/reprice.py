@@ -1,7 +1,7 @@
 """Reprice saved fidelity runs under the code at hand (prints a table, not a test).
 
     python benchmarks/reprice.py DIR [DIR ...] [--set FIELD=VALUE ...] [--refit horizon|exponent]
-                                 [--models llama,torch_cnn]
+                                 [--models llama,torch_cnn] [--pairs]
 
 Each ``DIR`` is a folder that ``benchmarks/fidelity.py --out DIR`` wrote: per model its calibrated
 cluster file, its nine plan files and every launch's records (``<model>-runs.json.gz``; the
@@ -14,7 +14,9 @@ been calibrated), and set against the same measurements, three ways as ``fidelit
 tau against each plan's best step, its paired figure and its median step, and how many predictions
 lie within 20% of the best step and of the median. A change to the cost model can so be weighed on
 every recorded run, not only on the next one, whose calibration and measurement are new draws of a
-noisy machine.
+noisy machine. With ``--pairs`` a second table lists, per run and model, the pairs of plans the
+repriced predictions and the paired figures rank apart, with both ratios: a near tie broken the
+wrong way reads differently from a real difference the model misses.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import sys
 import numpy as np
 import yaml
 
-from fidelity import MODELS, kendall_tau, paired
+from fidelity import MODELS, discordant, kendall_tau, paired
 from shardplan.capture import capture
 from shardplan.capture.models import build, parse_config
 from shardplan.cluster import load_cluster
@@ -140,6 +142,8 @@ def main() -> None:
                     help="fit the waits' law again from each calibration's own rounds, after --set: the square "
                          "root capped at a horizon (what calibrate prices by) or a power with no horizon")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--pairs", action="store_true",
+                    help="also list the pairs of plans ranked apart (paired figure against the repriced step)")
     args = ap.parse_args()
     device = overrides(args.set)
     names = [m for m in args.models.split(",") if m]
@@ -147,6 +151,7 @@ def main() -> None:
           "| within 20% repriced |")
     print("|---|---|---|---|---|---|")
     totals: dict[str, list] = {n: [] for n in names}
+    apart: list[tuple] = []  # (run, model, plan a, plan b, measured a / b, predicted a / b)
     for folder in args.runs:
         for name in names:
             records = load_records(folder, name)
@@ -155,9 +160,12 @@ def main() -> None:
             plans = list(records)
             meas = measured(records, plans)
             as_run = scores([records[p][0]["predicted_step_seconds"] for p in plans], meas)
-            now = scores(reprice(folder, name, device, args.refit), meas)
+            pred = reprice(folder, name, device, args.refit)
+            now = scores(pred, meas)
             totals[name].append((as_run, now))
-            print(f"| {os.path.basename(os.path.normpath(folder))} | {name} | "
+            run = os.path.basename(os.path.normpath(folder))
+            apart += [(run, name, *d) for d in discordant(plans, pred, meas[1])]
+            print(f"| {run} | {name} | "
                   f"{as_run[0]:.2f} / {as_run[1]:.2f} / {as_run[2]:.2f} | {as_run[3]} / {as_run[4]} | "
                   f"{now[0]:.2f} / {now[1]:.2f} / {now[2]:.2f} | {now[3]} / {now[4]} |", flush=True)
     for name, rows in totals.items():
@@ -165,6 +173,11 @@ def main() -> None:
             a, b = (np.mean([r[k][:3] for r in rows], axis=0) for k in (0, 1))
             print(f"| mean of {len(rows)} | {name} | {a[0]:.2f} / {a[1]:.2f} / {a[2]:.2f} | | "
                   f"{b[0]:.2f} / {b[1]:.2f} / {b[2]:.2f} | |")
+    if args.pairs:
+        print("\n| run | model | plans ranked apart (a / b) | measured a / b (paired) | repriced a / b |")
+        print("|---|---|---|---|---|")
+        for run, name, a, b, m, p in apart:
+            print(f"| {run} | {name} | {a} / {b} | {m:.3f} | {p:.3f} |")
 
 
 if __name__ == "__main__":

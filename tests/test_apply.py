@@ -76,15 +76,17 @@ def make_plan(graph, which, devices):
     return Plan.from_choice(tables, list(choice))
 
 
-def run_plan(module, kwargs, graph, plan, devices, reduce=True, mesh_shape=None):
+def run_plan(module, kwargs, graph, plan, devices, reduce=True, mesh_shape=None, applier=None):
     """Every rank's (loss, full gradients) of one step of ``plan``; ``reduce``: the partial gradients
     are reduced in buckets (``ParallelModule.reduce_gradients``) as ``shardplan run`` reduces them,
-    else DTensor reduces each one when it is read. The mesh is ``choose_mesh``'s unless given."""
+    else DTensor reduces each one when it is read. The mesh is ``choose_mesh``'s unless given;
+    ``applier(module, mesh)`` makes the parallel module (``apply`` with ``graph`` by default)."""
     shape = mesh_shape or choose_mesh(graph, plan)
+    applier = applier or (lambda m, mesh: apply(m, graph, plan, mesh))
 
     def rank_fn(rank):
         local = copy.deepcopy(module)
-        pm = apply(local, graph, plan, init_device_mesh("cpu", shape))
+        pm = applier(local, init_device_mesh("cpu", shape))
         result = pm(**kwargs)
         logits = getattr(result, "logits", result)
         full = logits.full_tensor() if isinstance(logits, DTensor) else logits
@@ -162,6 +164,38 @@ def test_a_random_plan_from_the_search_space_runs(models, name, devices, seed):
     if devices == 8:
         assert len(choose_mesh(graph, plan)) == 3
     assert_matches(run_plan(module, kwargs, graph, plan, devices), loss, ref)
+
+
+def test_front_doors_capture_and_apply_as_the_issue_names_them(models):
+    """``shardplan.capture(module, example_inputs)`` is the captured graph, and ``shardplan.apply(module,
+    plan, mesh, example_inputs)`` captures the module itself and runs the plan: the single-device loss
+    and gradients on 2 ranks. Another model's plan, or no example inputs, is refused by name."""
+    import shardplan
+
+    module, kwargs, graph, ref_loss, ref_grads = models["torch_cnn"]
+    assert shardplan.capture(module, (), kwargs, name="torch_cnn").ops == graph.ops
+    assert shardplan.capture(module, kwargs["x"]).ops == graph.ops  # one positional input
+    plan = make_plan(graph, "odd", 2)
+    results = run_plan(module, kwargs, graph, plan, 2,
+                       applier=lambda m, mesh: shardplan.apply(m, plan, mesh, (), kwargs))
+    assert_matches(results, ref_loss, ref_grads)
+
+    other = make_plan(models["torch_mlp"][2], "data_parallel", 2)
+
+    def refusals(rank):
+        mesh = init_device_mesh("cpu", (2,))
+        out = []
+        for call in (lambda: shardplan.apply(copy.deepcopy(module), other, mesh, (), kwargs),
+                     lambda: shardplan.apply(copy.deepcopy(module), plan, mesh)):
+            try:
+                call()
+            except ApplyError as exc:
+                out.append(str(exc))
+        return out
+
+    first, missing = run_threaded(2, refusals)[0]
+    assert "plan is for model 'torch_mlp'" in first
+    assert "example inputs" in missing
 
 
 def test_plan_of_another_model_is_refused(models):

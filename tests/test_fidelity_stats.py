@@ -20,6 +20,19 @@ def test_kendall_tau_b_by_hand():
     assert fidelity.kendall_tau([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(5 / (5 * 6) ** 0.5)
 
 
+def test_discordant_pairs_by_hand():
+    """Predicted a < b < c, measured c < b < a (a 10% over b, b 1% over c): the pairs the two
+    rankings order oppositely, with both ratios, the one measured furthest apart first; a tie in either
+    ranking is no disagreement."""
+    names = ["a", "b", "c"]
+    pairs = fidelity.discordant(names, [1.0, 2.0, 3.0], [1.1, 1.0, 0.99])
+    assert [(a, b) for a, b, *_ in pairs] == [("a", "c"), ("a", "b"), ("b", "c")]
+    assert pairs[1][2:] == pytest.approx((1.1, 0.5))
+    assert pairs[2][2:] == pytest.approx((1.0 / 0.99, 2.0 / 3.0))
+    assert fidelity.discordant(names, [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == []
+    assert fidelity.discordant(names, [1.0, 1.0, 3.0], [2.0, 1.0, 3.0]) == []
+
+
 def test_paired_ranking_cancels_drift_between_rounds():
     """Plan b takes twice plan a's time in every round while the machine slows 10x from round to
     round: each over its round's geometric mean is 1/sqrt(2) and sqrt(2), whatever the drift."""

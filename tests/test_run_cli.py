@@ -28,6 +28,25 @@ def test_run_with_check_on_two_ranks():
     assert len(out["step_seconds"]) == 2
 
 
+def test_example_plans_and_trains_llama_on_two_ranks():
+    """``examples/train_llama.py`` under torchrun: the plan it finds runs, its first loss is the
+    single-device one, and three SGD steps lower it."""
+    import re
+
+    from shardplan.execute.launch import _free_port
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_llama.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), example],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [float(x) for x in re.findall(r"step \d: loss ([0-9.e-]+)", proc.stdout)]
+    single = float(re.search(r"one device: ([0-9.e-]+)", proc.stdout).group(1))
+    assert len(losses) == 3
+    assert losses[0] == pytest.approx(single, rel=1e-5)
+    assert losses[2] < losses[1] < losses[0]
+
+
 def test_several_plans_run_interleaved_in_one_launch(tmp_path):
     """Two plan files, one launch: a record per plan (in the order given) with its own prediction,
     its timed steps and its own check against single device."""

@@ -1,14 +1,22 @@
 """shardplan: exact planner for parallel training of deep networks.
 
-``shardplan.simulate(graph, cluster, plan)`` runs the event simulator (``shardplan.simulate``);
-it is imported on first use, so ``import shardplan`` stays light (no numpy, no torch).
+Front doors, each imported on first use so that ``import shardplan`` stays light (no numpy, no torch):
+
+* ``shardplan.capture(module, example_inputs)``: a PyTorch module's graph IR (``shardplan.capture``);
+* ``shardplan.apply(module, plan, device_mesh, example_inputs)``: the module run as the plan says,
+  with DTensor (``shardplan.execute.apply_plan``);
+* ``shardplan.simulate(graph, cluster, plan)``: the event simulator (``shardplan.simulate``).
 """
 
 
 def __getattr__(name):
-    if name in ("simulate", "SimResult"):
-        import importlib
+    import importlib
 
+    if name in ("simulate", "SimResult"):
         module = importlib.import_module("shardplan.simulate")
         return module if name == "simulate" else module.SimResult
+    if name == "capture":  # the package is callable: shardplan.capture(module, example_inputs)
+        return importlib.import_module("shardplan.capture")
+    if name == "apply":
+        return importlib.import_module("shardplan.execute.apply").apply_plan
     raise AttributeError(f"module 'shardplan' has no attribute {name!r}")

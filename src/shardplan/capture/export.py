@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from dataclasses import replace
 
 import torch
@@ -340,6 +341,12 @@ class _Capture(HeavyOps):
                   aten=base)
 
 
+_EXPORT_LOCK = threading.Lock()
+"""One ``torch.export`` at a time per process: it patches module-wide state while it traces, and two
+threads exporting at once (the ranks of a threaded process group calling ``shardplan.apply``) fail
+inside it."""
+
+
 def capture(module: torch.nn.Module, example_inputs=(), example_kwargs: dict | None = None, *,
             name: str | None = None, dtype_bytes: int | None = None) -> Graph:
     """The graph IR of ``module`` called on ``example_inputs`` (tensors on any device, meta included).
@@ -351,7 +358,8 @@ def capture(module: torch.nn.Module, example_inputs=(), example_kwargs: dict | N
         example_inputs = (example_inputs,)
     name = name or type(module).__name__
     try:
-        ep = torch.export.export(module, example_inputs, example_kwargs or {}, strict=False)
+        with _EXPORT_LOCK:
+            ep = torch.export.export(module, example_inputs, example_kwargs or {}, strict=False)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds; report them in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export failed on {name!r}: {type(exc).__name__}: {first}") from None

@@ -1,5 +1,5 @@
 """Run plans on PyTorch's distributed engine (imports torch; the planner core does not)."""
 
-from shardplan.execute.apply import ApplyError, ParallelModule, apply
+from shardplan.execute.apply import ApplyError, ParallelModule, apply, apply_plan
 
-__all__ = ["ApplyError", "ParallelModule", "apply"]
+__all__ = ["ApplyError", "ParallelModule", "apply", "apply_plan"]

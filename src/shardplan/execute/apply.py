@@ -330,6 +330,24 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
     return ParallelModule(module, mesh, inputs, graph_joins(graph, opmeshes, shape, placements))
 
 
+def apply_plan(module: nn.Module, plan: Plan, device_mesh: DeviceMesh, example_inputs=(),
+               example_kwargs: dict | None = None, *, graph: Graph | None = None) -> ParallelModule:
+    """``shardplan.apply``: ``module`` run as ``plan`` says on ``device_mesh``, the plan's graph
+    captured from ``module`` called on ``example_inputs`` / ``example_kwargs`` (the inputs it was
+    planned for; any values, only their shapes and dtypes matter) unless ``graph`` is given. A plan
+    made for another model, a mesh whose size is not the plan's or a split the runtime cannot do is
+    refused with the reason (:class:`ApplyError`), before any parameter is moved. The capture runs
+    on ``module`` as given, so call this before anything else changes it."""
+    if graph is None:
+        if isinstance(example_inputs, tuple) and not example_inputs and not example_kwargs:
+            raise ApplyError("shardplan.apply needs the module's example inputs (or its captured graph) to "
+                             "match the plan's ops to the module's layers")
+        from shardplan.capture import capture
+
+        graph = capture(module, example_inputs, example_kwargs, name=plan.model)
+    return apply(module, graph, plan, device_mesh)
+
+
 def _split_experts(experts: nn.Module, fqn: str, weight) -> None:
     """Make a routed-experts module (transformers' ``...Experts``: ``num_experts`` and 3-D weights with
     a leading experts axis) compute only this rank's experts: ids of other ranks' experts become the
