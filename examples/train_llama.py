@@ -1,6 +1,6 @@
 """Plan a model in Python and train it with the plan: the front doors end to end.
 
-    torchrun --nproc-per-node 2 examples/train_llama.py        # 2 CPU ranks (gloo); NCCL on GPUs
+    torchrun --nproc-per-node 2 examples/train_llama.py        # 2 CPU ranks (gloo)
 
 Every rank builds the same model (a small Llama with random weights, from its transformers config)
 and the same batch, captures the model's graph (``shardplan.capture``), finds the fastest plan for
@@ -25,8 +25,7 @@ from shardplan.search import solve
 
 
 def main() -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    dist.init_process_group("gloo")  # CPU ranks: NCCL on GPUs is not wired here (see the README)
     ranks, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)  # the same weights and batch on every rank
     module, batch = build("llama", batch=8, seq=64)  # or your own nn.Module and an example batch
@@ -36,7 +35,7 @@ def main() -> None:
     graph = shardplan.capture(module, (), batch, name="llama")
     tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=ranks)), ranks)
     plan = Plan.from_choice(tables, solve(tables).choice)
-    mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", choose_mesh(graph, plan))
+    mesh = init_device_mesh("cpu", choose_mesh(graph, plan))
     parallel = shardplan.apply(module, plan, mesh, graph=graph)
     if rank == 0:
         split = {op.name: {d: f for d, f in op.split if f > 1} for op in plan.ops if op.devices > 1}
