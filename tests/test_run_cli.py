@@ -28,6 +28,24 @@ def test_run_with_check_on_two_ranks():
     assert len(out["step_seconds"]) == 2
 
 
+def test_ranks_take_a_gpu_each_where_torch_sees_gpus(monkeypatch):
+    """A rank's device is its local GPU (torchrun's LOCAL_RANK) where torch sees GPUs, else the CPU; a
+    launch asking for more ranks than GPUs is refused before torchrun starts."""
+    import types
+
+    import torch
+
+    from shardplan.execute import launch, worker
+
+    assert worker.rank_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert worker.rank_device() == torch.device("cuda", 3)
+    with pytest.raises(RuntimeError, match="asks for 2 ranks, but this machine has 1 GPU"):
+        launch.launch("torch_mlp", "", 4, 16, types.SimpleNamespace(devices=2), 1, False)
+
+
 def test_example_plans_and_trains_llama_on_two_ranks():
     """``examples/train_llama.py`` under torchrun: the plan it finds runs, its first loss is the
     single-device one, and three SGD steps lower it."""

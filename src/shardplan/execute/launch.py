@@ -106,6 +106,11 @@ def launch(model: str, config: str, batch: int, seq: int, plan, steps: int, do_c
     be a list of SPMD plans on the same devices: one launch runs them all, their steps interleaved, and
     the result holds one entry per plan under ``"plans"``."""
     plans = list(plan) if isinstance(plan, (list, tuple)) else [plan]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if worker == "shardplan.execute.worker" and gpus and plans[0].devices > gpus:
+        # where torch sees GPUs, every SPMD rank runs on one of its own with NCCL (worker.rank_device)
+        raise RuntimeError(f"the plan asks for {plans[0].devices} ranks, but this machine has {gpus} GPU(s): "
+                           f"each rank runs on a GPU of its own")
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
         args = ["--model", model, "--config", config or "", "--batch", str(batch), "--seq", str(seq),

@@ -8,6 +8,10 @@ shared machine the speed drifts by tens of percent within minutes). With ``--che
 runs the single-device model on the same batch and compares the first step's loss and every
 gradient. All ranks reach the same collectives (an all-reduce of the verdict) even when one fails,
 so gloo never hangs; rank 0 writes the result as JSON.
+
+Each rank runs on its local GPU with NCCL when torch sees GPUs (``rank_device``), else on one pinned
+CPU core with gloo. The GPU branch (NCCL, the model built on the rank's GPU, each timed step closed by a
+device synchronisation) has not yet run on a GPU: none has been lent to this project's sessions.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextlib
 import copy
 import datetime
 import json
+import os
 import time
 import traceback
 
@@ -32,6 +37,19 @@ from shardplan.execute.launch import pin_to_core
 from shardplan.plan import Plan
 
 
+def rank_device() -> torch.device:
+    """This rank's device: its local GPU (torchrun's ``LOCAL_RANK``) when torch sees GPUs, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _synchronize() -> None:
+    """Wait for this rank's queued GPU work (nothing to wait for on the CPU), so a step's time is its work's."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _loss(out):
     logits = getattr(out, "logits", out)
     full = logits.full_tensor() if isinstance(logits, DTensor) else logits
@@ -45,6 +63,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _sgd_step(forward_backward, named_parameters, context, keep: bool):
     """One SGD step timed from a common barrier to the end of the slowest rank's step: (seconds,
     (loss, gradients gathered whole) when ``keep``, else None)."""
+    _synchronize()
     dist.barrier()
     t0 = time.perf_counter()
     first = None
@@ -57,7 +76,8 @@ def _sgd_step(forward_backward, named_parameters, context, keep: bool):
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-1e-3)
                     p.grad = None
-    took = torch.tensor([time.perf_counter() - t0])
+    _synchronize()
+    took = torch.tensor([time.perf_counter() - t0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took), first
 
@@ -122,22 +142,27 @@ def main(argv=None) -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    pin_to_core()
+    device = rank_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=120))
+    if device.type == "cpu":
+        pin_to_core()
     rank = dist.get_rank()
     result: dict = {"rank_errors": []}
-    ok = torch.ones(1)
+    ok = torch.ones(1, device=device)
     try:
         runs, modules, reference = [], [], None
         for path in args.plan:
             torch.manual_seed(0)  # every plan starts from the same weights as the reference
-            module, kwargs = build(args.model, batch=args.batch, seq=args.seq, **parse_config(args.config))
+            module, kwargs = build(args.model, batch=args.batch, seq=args.seq, device=device,
+                                   **parse_config(args.config))
             module.eval()  # no dropout: runs are deterministic
             graph = capture(module, (), kwargs, name=args.model)
             plan = Plan.load(path)
             if args.check and reference is None:
                 reference = copy.deepcopy(module)
-            mesh = init_device_mesh("cpu", choose_mesh(graph, plan))
+            mesh = init_device_mesh(device.type, choose_mesh(graph, plan))
             pm = apply(module, graph, plan, mesh)
 
             def forward_backward(pm=pm, kwargs=kwargs):
