@@ -11,7 +11,7 @@ so gloo never hangs; rank 0 writes the result as JSON.
 
 Each rank runs on its local GPU with NCCL when torch sees GPUs (``rank_device``), else on one pinned
 CPU core with gloo. The GPU branch (NCCL, the model built on the rank's GPU, each timed step closed by a
-device synchronisation) has not yet run on a GPU: none has been lent to this project's sessions.
+device synchronisation) has not yet run on a GPU.
 """
 
 from __future__ import annotations
