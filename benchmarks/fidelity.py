@@ -54,6 +54,7 @@ import gzip
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,25 @@ def discordant(names: list[str], pred: list[float], meas: list[float]) -> list[t
            for i in range(len(names)) for j in range(i + 1, len(names))
            if (pred[i] - pred[j]) * (meas[i] - meas[j]) < 0]
     return sorted(out, key=lambda d: -abs(math.log(d[2])))
+
+
+def measured(records: dict, plans: list[str]) -> tuple[list, list, list]:
+    """(best steps, paired figures, median steps) per plan from every launch's records (``records``:
+    plan -> one record per launch, as ``shardplan run --json`` gives them): each plan's fastest step
+    over its launches, :func:`paired` over all rounds, and its launches' lowest median."""
+    rounds = [[t for rec in records[p] for t in rec["step_seconds"]] for p in plans]
+    best = [min(rec["best_step_seconds"] for rec in records[p]) for p in plans]
+    median = [min(rec["measured_step_seconds"] for rec in records[p]) for p in plans]
+    return best, paired(rounds), median
+
+
+def scores(pred: list[float], meas: tuple) -> tuple:
+    """(tau best, tau paired, tau medians, within 20% of best, within 20% of median) of the predictions
+    ``pred`` against ``meas``, :func:`measured`'s three figures."""
+    best, rel, median = meas
+    return (kendall_tau(pred, best), kendall_tau(pred, rel), kendall_tau(pred, median),
+            sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, best)),
+            sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, median)))
 
 
 def paired(steps: list[list[float]]) -> list[float]:
@@ -156,8 +176,12 @@ def main() -> None:
     for name in names:
         config, batch, seq = MODELS[name]
         # calibrate right before each model's launches: the shared machine's speed drifts within minutes
-        cluster_file = args.cluster or os.path.join(tmp, f"calibrated-{name}.yaml")
-        if not args.cluster:
+        # the cluster the predictions price on, kept under this name in the run's folder either way
+        # (``--cluster`` copied in), so that ``reprice.py`` finds it
+        cluster_file = os.path.join(tmp, f"calibrated-{name}.yaml")
+        if args.cluster:
+            shutil.copyfile(args.cluster, cluster_file)
+        else:
             cal = subprocess.run([sys.executable, "-m", "shardplan.report.cli", "calibrate", "--devices",
                                   str(args.devices), "--out", cluster_file], capture_output=True, text=True)
             if cal.returncode:
@@ -173,7 +197,6 @@ def main() -> None:
                  "mlp_tensor_parallel": mixed(tables),
                  "half_data_parallel": half_data_parallel(tables),
                  "random_0": random_plan(tables, 0), "random_1": random_plan(tables, 1)}
-        pred, meas, medians = [], [], []
         runs: dict[str, list] = {p: [] for p in plans}
         paths = {}
         for pname, choice in plans.items():
@@ -206,26 +229,20 @@ def main() -> None:
             json.dump({p: runs[p] for p in done}, fh)
         same = {p: next((q for q in done[:i] if list(plans[q]) == list(plans[p])), None) for i, p in enumerate(done)}
         rounds = [[t for o in runs[p] for t in o["step_seconds"]] for p in done]
-        rel = paired(rounds)
+        meas, rel, medians = measured(runs, done)
+        pred = [runs[p][0]["predicted_step_seconds"] for p in done]
         halves = [paired([r[h::2] for r in rounds]) for h in (0, 1)]
         for i, pname in enumerate(done):
             outs = runs[pname]
-            p = outs[0]["predicted_step_seconds"]
-            bests = [o["best_step_seconds"] for o in outs]
-            m, med = min(bests), min(o["measured_step_seconds"] for o in outs)
-            pred.append(p)
-            meas.append(m)
-            medians.append(med)
+            p, m, med = pred[i], meas[i], medians[i]
             ok = outs[0].get("check", {}).get("passed")
-            spread = max(bests) / m - 1
+            spread = max(o["best_step_seconds"] for o in outs) / m - 1
             label = pname + (f" (= {same[pname]})" if same[pname] else "")
             print(f"| {name} | {label} | {p:.4g} | {m:.4g} | {m / p:.2f} | {med:.4g} | {med / p:.2f} | "
                   f"{rel[i] / min(rel):.3f} | {'passed' if ok else 'FAILED'} | {100 * spread:.0f}% |", flush=True)
-        within = sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, meas))
-        within_med = sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, medians))
+        tau, tau_pair, tau_med, within, within_med = scores(pred, (meas, rel, medians))
         hand = [i for i, p in enumerate(done) if not p.startswith("random")]
-        summary.append((name, kendall_tau(pred, meas), kendall_tau(pred, rel), kendall_tau(pred, medians),
-                        kendall_tau(*halves), within, within_med, len(pred), len(rounds[0]),
+        summary.append((name, tau, tau_pair, tau_med, kendall_tau(*halves), within, within_med, len(pred), len(rounds[0]),
                         bootstrap_tau(pred, rounds),
                         (len(hand), kendall_tau([pred[i] for i in hand], [meas[i] for i in hand]),
                          kendall_tau([pred[i] for i in hand], [rel[i] for i in hand]),

@@ -31,7 +31,7 @@ import sys
 import numpy as np
 import yaml
 
-from fidelity import MODELS, discordant, kendall_tau, paired
+from fidelity import MODELS, discordant, measured, scores
 from shardplan.capture import capture
 from shardplan.capture.models import build, parse_config
 from shardplan.cluster import load_cluster
@@ -66,14 +66,6 @@ def overrides(pairs: list[str]) -> dict:
             sys.exit(f"--set {item!r}: the device has no field {key!r}")
         out[key] = None if value.lower() == "none" else float(value)
     return out
-
-
-def measured(records: dict, plans: list[str]) -> tuple[list, list, list]:
-    """(best steps, paired figures, median steps) per plan, as ``fidelity.py`` computes them."""
-    rounds = [[t for rec in records[p] for t in rec["step_seconds"]] for p in plans]
-    best = [min(rec["best_step_seconds"] for rec in records[p]) for p in plans]
-    median = [min(rec["measured_step_seconds"] for rec in records[p]) for p in plans]
-    return best, paired(rounds), median
 
 
 _PROBE: dict = {}
@@ -123,14 +115,6 @@ def reprice(folder: str, name: str, device: dict, law: str | None = None) -> lis
             choice = Plan.from_json(fh.read(), source=f"{folder}/{name}-{plan}.json").to_choice(tables)
         out.append(float(step_seconds(model, tables, choice)))
     return out
-
-
-def scores(pred: list[float], meas: tuple) -> tuple:
-    """(tau best, tau paired, tau medians, within 20% of best, within 20% of median)."""
-    best, rel, median = meas
-    return (kendall_tau(pred, best), kendall_tau(pred, rel), kendall_tau(pred, median),
-            sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, best)),
-            sum(abs(m / p - 1) <= 0.2 for p, m in zip(pred, median)))
 
 
 def main() -> None:
