@@ -825,26 +825,33 @@ def test_bias_gradient_is_whole_under_a_reduction_split():
                                                                   4 * 512 / GRAD_BUCKET_BYTES)))
 
 
-def _moe_graph(batch=8, seq=16, features=64, experts=4, ffn=128, top_k=2, kept=12345):
-    """A producer (elementwise) feeding one fused mixture-of-experts op, as ``capture.moe`` builds it."""
+def _moe_graph(batch=8, seq=16, features=64, experts=4, ffn=128, top_k=2, kept=12345, a2a=False):
+    """A producer (elementwise) feeding one fused mixture-of-experts op, as ``capture.moe`` builds it;
+    ``a2a``: with its second experts split, whose tokens move by all-to-all (``experts_a2a``)."""
     from shardplan.ir.graph import Dim, DimKind, Graph, Op, Operand, TensorSpec
 
     bsf = (("batch",), ("seq",), ("features",))
+    x_axes = ((("batch", "experts_a2a"),) + bsf[1:]) if a2a else bsf
+    e_axes = ("experts", "experts_a2a") if a2a else ("experts",)
     tokens = batch * seq
-    tensors = (TensorSpec("x", (batch, seq, features)), TensorSpec("h", (batch, seq, features)),
+    def limit(n, rank):  # whole samples, whole experts per device under both experts splits
+        return {"split_limits": (n,) + (0,) * (rank - 1)} if a2a else {}
+    tensors = (TensorSpec("x", (batch, seq, features)), TensorSpec("h", (batch, seq, features), **limit(batch, 3)),
                TensorSpec("router", (experts, features), is_param=True),
-               TensorSpec("w_in", (experts, features, 2 * ffn), is_param=True),
-               TensorSpec("w_out", (experts, ffn, features), is_param=True),
-               TensorSpec("y", (tokens, features)))
+               TensorSpec("w_in", (experts, features, 2 * ffn), is_param=True, **limit(experts, 3)),
+               TensorSpec("w_out", (experts, ffn, features), is_param=True, **limit(experts, 3)),
+               TensorSpec("y", (tokens, features), **limit(batch, 2)))
     pre = Op("pre", "elementwise", (Dim("batch", batch, DimKind.BATCH), Dim("seq", seq, DimKind.SEQUENCE),
                                     Dim("features", features)),
              (Operand("x", bsf),), (Operand("h", bsf),), flops=float(tokens * features), attrs=(("pw_ops", 1),))
     grouped = 2.0 * tokens * top_k * features * 2 * ffn + 2.0 * tokens * top_k * ffn * features
-    moe = Op("mlp", "moe", (Dim("batch", batch, DimKind.BATCH), Dim("seq", seq, DimKind.SEQUENCE, splittable=False),
-                            Dim("experts", experts, DimKind.PARALLEL), Dim("features", features, splittable=False)),
-             (Operand("h", bsf), Operand("router", ((), ("features",))),
-              Operand("w_in", (("experts",), (), ())), Operand("w_out", (("experts",), (), ()))),
-             (Operand("y", (("batch", "seq"), ("features",))),),
+    a2a_dims = (Dim("experts_a2a", experts, DimKind.PARALLEL),) if a2a else ()
+    dims = (Dim("batch", batch, DimKind.BATCH), Dim("seq", seq, DimKind.SEQUENCE, splittable=False),
+            Dim("experts", experts, DimKind.PARALLEL), *a2a_dims, Dim("features", features, splittable=False))
+    moe = Op("mlp", "moe", dims,
+             (Operand("h", x_axes), Operand("router", ((), ("features",))),
+              Operand("w_in", (e_axes, (), ())), Operand("w_out", (e_axes, (), ()))),
+             (Operand("y", (tuple(a for ax in x_axes[:2] for a in ax), ("features",))),),
              flops=grouped + 2.0 * tokens * features * experts,
              attrs=tuple(sorted({"ffn": ffn, "top_k": top_k, "grouped_flops": grouped, "kept_bytes": kept}.items())),
              module="mlp")
@@ -884,6 +891,56 @@ def test_expert_parallel_moe_by_hand():
     want = (sum(float(collective_seconds(c, "all_reduce", n / 2, pair_e)) for n in (out, h))
             + grad(router, q) + sum(grad(n / 2, pair_b) for n in (w_in, w_out)))
     assert hy_comm == pytest.approx(want, rel=1e-12)
+
+
+def test_all_to_all_dispatch_by_hand():
+    """The experts split 4 ways over one node with each device's own tokens sent to their experts
+    (``experts_a2a``): 8 x 16 tokens, a quarter per device, top-2, so a device sends 64 rows of 64
+    floats. Forward: the row counts (8 bytes per peer), the rows' expert ids (8 bytes a row), the
+    rows there and back; backward the rows' gradients both ways. No output, input-gradient or expert
+    gradient all-reduce; the replicated router's gradient is all-reduced as ever. Gathered tokens
+    move the whole token set instead: more bytes, fewer latencies."""
+    c = cluster()
+    g = _moe_graph(a2a=True)
+    model = AnalyticCostModel(c)
+    q, f32 = c.per_level(4, 1), 4
+
+    def a2a(n, group):
+        return float(collective_seconds(c, "all_to_all", n, group))
+
+    def grad(n, group):  # a weight gradient: its share of a bucket's latency
+        return float(collective_seconds(c, "all_reduce", n, group, n / GRAD_BUCKET_BYTES))
+    router, out = f32 * 4 * 64, f32 * 128 * 64
+    rows = 8 * 16 // 4 * 2
+    i = g.op_index("mlp")
+    configs = np.array([[1, 1, 1, 4, 1], [1, 1, 2, 2, 1], [1, 1, 4, 1, 1]])
+    items = {it.name: it for it in model.node_cost_items(g, g.ops[i], configs)}
+    moves = items["token_all_to_all"]
+    assert moves.fwd[0] == pytest.approx(a2a(8 * 4, q) + a2a(8 * rows, q) + 2 * a2a(f32 * rows * 64, q), rel=1e-12)
+    assert moves.bwd[0] == pytest.approx(2 * a2a(f32 * rows * 64, q), rel=1e-12)
+    _, _, comm, memory = costs_of(g, model, 4, "mlp", (1, 1, 1, 4, 1))
+    assert comm == pytest.approx(float(moves.seconds[0]) + grad(router, q), rel=1e-12)
+    w_in, w_out = f32 * 4 * 64 * 256, f32 * 4 * 128 * 64
+    # one expert per device; the output and inner activations a quarter each
+    assert memory == pytest.approx(4 * router + 4 * (w_in + w_out) / 4 + out / 4 + 12345 / 4, rel=1e-12)
+    # 2 (experts, gathered) x 2 (experts, all-to-all): each pair of the all-to-all (ranks 2 apart)
+    # holds half the tokens and sends the half of their choices its two experts take, 128 rows; the
+    # partial outputs and input gradients of half the tokens are all-reduced over the gathered pair
+    pair_e, pair_a = c.per_level(2, 1), c.per_level(2, 2)
+    half = 8 * 16 // 2 * 2 // 2
+    want = a2a(8 * 2, pair_a) + a2a(8 * half, pair_a) + 2 * a2a(f32 * half * 64, pair_a)
+    assert moves.fwd[1] == pytest.approx(want, rel=1e-12)
+    _, _, mixed, _ = costs_of(g, model, 4, "mlp", (1, 1, 2, 2, 1))
+    halves = 2 * float(collective_seconds(c, "all_reduce", out / 2, pair_e))  # output and input gradient
+    assert mixed == pytest.approx(float(moves.seconds[1]) + halves + grad(router, q), rel=1e-12)
+    assert moves.seconds[2] == 0.0
+    # six collectives of 3 peers each are mostly latency at this size, so the gathered pair wins...
+    _, _, gathered, _ = costs_of(g, model, 4, "mlp", (1, 1, 4, 1, 1))
+    assert mixed < gathered < comm
+    # ...and with 64 x 128 tokens of 1024 features the bytes decide: all-to-all, then mixed, then gathered
+    big = _moe_graph(batch=64, seq=128, features=1024, ffn=1024, a2a=True)
+    comms = [costs_of(big, model, 4, "mlp", cfg)[2] for cfg in ((1, 1, 1, 4, 1), (1, 1, 2, 2, 1), (1, 1, 4, 1, 1))]
+    assert comms == sorted(comms)
 
 
 def test_search_picks_expert_parallelism_when_expert_weights_dominate():

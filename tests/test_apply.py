@@ -276,11 +276,11 @@ def test_lstm_lm_matches_single_device(which, devices):
 
 
 def _mixtral_plan(graph, which, devices):
-    if which not in ("expert_parallel", "searched"):
+    if which not in ("expert_parallel", "expert_gather", "searched"):
         return make_plan(graph, which, devices)
     tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=devices)), devices)
-    if which == "expert_parallel":
-        return Plan.from_choice(tables, expert_parallel(tables))
+    if which.startswith("expert"):
+        return Plan.from_choice(tables, expert_parallel(tables, "gather" if which == "expert_gather" else "all_to_all"))
     # unconstrained, the tiny model's best plan replicates everything (latency beats 0.2 MFLOP ops);
     # under 60% of data parallel's memory the search has to shard its weights
     cap = 0.6 * tables.breakdown(data_parallel(tables))["memory_bytes"]
@@ -288,13 +288,16 @@ def _mixtral_plan(graph, which, devices):
 
 
 @pytest.mark.parametrize("devices", [2, 4])
-@pytest.mark.parametrize("which", ["data_parallel", "tensor_parallel", "searched", "odd", "expert_parallel"])
+@pytest.mark.parametrize("which", ["data_parallel", "tensor_parallel", "searched", "odd", "expert_parallel",
+                                   "expert_gather"])
 def test_mixtral_matches_single_device(which, devices):
     """Each of Mixtral's routed-experts blocks is one fused op run on each rank's batch shard (local
     weights, gradients partial over the batch split); attention and the head around it split as
     planned. Under expert parallelism each rank holds and runs its own experts (2 of 4 on 2 ranks,
-    1 of 4 on 4) for the gathered tokens, and the partial outputs are summed. The searched plan
-    (under a memory cap) splits the experts too, beside tensor-parallel attention."""
+    1 of 4 on 4): GShard's layout sends each rank's own tokens to their experts and back by
+    all-to-all (``experts_a2a``), the gathered layout runs them on every token and sums the partial
+    outputs (``experts``). The searched plan (under a memory cap) splits the experts too, beside
+    tensor-parallel attention."""
     module, kwargs, graph, loss, ref = reference("mixtral")
     blocks = ("model.layers.0.mlp", "model.layers.1.mlp")
     assert dict(graph.meta)["local_blocks"] == blocks
@@ -304,9 +307,10 @@ def test_mixtral_matches_single_device(which, devices):
     for p, op in zip(plan.ops, graph.ops):  # inside the expert blocks only the batch and the experts split
         if op.name in blocks:
             split = dict(p.split)
-            assert all(f == 1 for d, f in split.items() if d not in ("batch", "experts")), op.name
+            assert all(f == 1 for d, f in split.items() if d not in ("batch", "experts", "experts_a2a")), op.name
             if which != "searched":
-                assert (split["experts"] == devices) == (which == "expert_parallel"), (op.name, split)
+                assert (split["experts_a2a"] == devices) == (which == "expert_parallel"), (op.name, split)
+                assert (split["experts"] == devices) == (which == "expert_gather"), (op.name, split)
     assert_matches(run_plan(module, kwargs, graph, plan, devices), loss, ref)
 
 
@@ -349,6 +353,49 @@ def test_expert_and_data_parallel_hybrid_holds_a_share_of_the_experts():
         assert grad_placed[ep] == placed[ep]
         assert all(isinstance(q, Partial) for i, q in enumerate(grad_placed) if i != ep)
         assert all(isinstance(q, Replicate) for q in router_placed)
+
+
+@pytest.mark.parametrize("split, mesh_shape", [({"batch": 2, "experts_a2a": 2}, None),
+                                               ({"experts": 2, "experts_a2a": 2}, None),
+                                               ({"experts_a2a": 4}, (2, 2))])
+def test_all_to_all_dispatch_matches_single_device(split, mesh_shape):
+    """4 ranks whose Mixtral blocks send each (token, choice) row to its expert's rank by all-to-all:
+    beside a batch split, beside a gathered experts split (each all-to-all pair holds half the
+    experts of its tokens, the pairs' partial outputs summed), and over both axes of a 2x2 mesh (a
+    process group over two mesh axes). Each rank keeps 4 / (its experts splits) of the 4 experts, their
+    gradient sharded like the weight (a sum pending only over a batch split); loss and every gradient
+    equal single device."""
+    from torch.distributed.tensor import Partial, Shard
+
+    module, kwargs, graph, loss, ref = reference("mixtral")
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=4)), 4)
+    choice = data_parallel(tables)
+    for i, op in enumerate(graph.ops):
+        if op.kind == "moe":
+            choice[i] = tables.index_of(i, tuple(split.get(d.name, 1) for d in op.dims))
+    plan = Plan.from_choice(tables, list(choice))
+    shape = mesh_shape or choose_mesh(graph, plan)
+    seen = {}
+
+    def rank_fn(rank):
+        local = copy.deepcopy(module)
+        pm = apply(local, graph, plan, init_device_mesh("cpu", shape))
+        experts = local.model.layers[1].mlp.experts
+        w = experts.down_proj
+        out = pm(**kwargs)
+        full = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits
+        value = full.float().pow(2).mean()
+        with pm.context():
+            value.backward()
+        seen[rank] = (experts.num_experts, tuple(w.placements), tuple(w.grad.placements), w.grad.to_local().shape[0])
+        return value.item(), {n: (q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad)
+                              for n, q in local.named_parameters() if q.grad is not None}
+
+    assert_matches(run_threaded(4, rank_fn), loss, ref)
+    for count, placed, grad_placed, rows in seen.values():
+        assert count == 4 // (split.get("experts", 1) * split["experts_a2a"]) == rows
+        for q, g in zip(placed, grad_placed):
+            assert g == q if isinstance(q, Shard) else isinstance(g, Partial)
 
 
 def test_flattened_channel_split_keeps_the_weight_gradient_sharded(models):

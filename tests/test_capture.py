@@ -84,12 +84,18 @@ def test_mixtral_experts_are_contractions_by_hand(captured):
         assert op.attr("top_k") == 2 and op.attr("ffn") == 128
         assert op.flops >= op.attr("grouped_flops") + 2.0 * 64 * 64 * 4  # plus the router
         assert op.dims[op.dim_index("experts")].splittable and op.dim("experts").size == 4
-        assert [d.name for d in op.dims if d.splittable] == ["batch", "experts"]
-        experts = [o for o in op.inputs if o.axes and o.axes[0] == ("experts",)]
+        # the experts split two ways: tokens gathered (experts) or sent by all-to-all (experts_a2a)
+        assert [d.name for d in op.dims if d.splittable] == ["batch", "experts", "experts_a2a"]
+        experts = [o for o in op.inputs if o.axes and o.axes[0] == ("experts", "experts_a2a")]
         assert sorted(o.tensor.rsplit(".", 1)[1] for o in experts) == ["down_proj", "gate_up_proj"]
-        assert all(graph.tensor(o.tensor).shape[0] == 4 for o in experts)
+        # both splits together keep whole experts on a device
+        assert all(graph.tensor(o.tensor).shape[0] == 4 == graph.tensor(o.tensor).limit(0) for o in experts)
+        (x,) = [o for o in op.inputs if not graph.tensor(o.tensor).is_param]
         (out,) = op.outputs
+        # each device of an all-to-all group holds its own tokens, whole sequences of them
+        assert x.axes[0] == ("batch", "experts_a2a") and graph.tensor(x.tensor).limit(0) == 4
         assert graph.tensor(out.tensor).shape == (4 * 16, 64)
+        assert set(out.axes[0]) == {"batch", "experts_a2a", "seq"} and graph.tensor(out.tensor).limit(0) == 4
         # nothing inside the block is left as its own op
         assert not [o for o in graph.ops if o is not op and (o.module or "").startswith(op.name + ".")]
 

@@ -80,17 +80,41 @@ def test_cli_dry_run_json_and_refusals(capsys, tmp_path):
 def test_mixtral_split_over_its_experts_runs_in_fake_tensors():
     """Expert parallelism in a dry run: transformers' routed experts call a grouped product whose
     fake version refuses fp32 (its library fallback is used), and each rank's expert range is read
-    from the weight's placements as plain integers; a random plan with every MoE op split over its
-    experts applies and steps on a 2x2 mesh."""
+    from the weight's placements as plain integers. A random plan, its first MoE block split 2
+    (batch) x 2 (experts, tokens gathered) and its second 2 (batch) x 2 (experts, tokens sent by
+    all-to-all), applies and steps on a 2x2 mesh; the all-to-alls rank 0 issues are the ones the
+    cost model prices: per block, forward the row counts (8 bytes per peer), the rows' expert ids
+    (8 bytes a row) and the rows there and back, backward the rows' gradients both ways, where a
+    rank's rows are its 8 x 16 / 4 tokens x top-2 (uniform routing, as the fake tensors assume)."""
     import numpy as np
 
     graph, model, tables = _tables("mixtral", "", 4, 8, 16)
     rng = np.random.default_rng(2)
-    plan = Plan.from_choice(tables, [int(rng.integers(len(c))) for c in tables.configs])
-    moe = [dict(op.split)["experts"] for op in plan.ops if op.kind == "moe"]
-    assert moe and all(e > 1 for e in moe)
+    choice = [int(rng.integers(len(c))) for c in tables.configs]
+    blocks = [i for i, op in enumerate(graph.ops) if op.kind == "moe"]
+    assert len(blocks) == 2
+    for i, split in zip(blocks, ({"batch": 2, "experts": 2}, {"batch": 2, "experts_a2a": 2})):
+        choice[i] = tables.index_of(i, tuple(split.get(d.name, 1) for d in graph.ops[i].dims))
+    plan = Plan.from_choice(tables, choice)
     run = dry_run("mixtral", "", 8, 16, plan)
     assert run.mesh == (2, 2) and run.collectives
+    rows, features = 8 * 16 // 4 * 2, graph.ops[blocks[1]].dim("features").size
+    seen = [(c.nbytes, c.ranks, c.phase) for c in run.collectives if c.kind == "all_to_all"]
+    assert seen == [(8 * 2, 2, "forward"), (8 * rows, 2, "forward")] + [(4 * rows * features, 2, "forward")] * 2 + [
+        (4 * rows * features, 2, "backward")] * 2
+    items = {it.name: it for it in model.node_cost_items(graph, graph.ops[blocks[1]],
+                                                         tables.configs[blocks[1]][[choice[blocks[1]]]])}
+    cluster, q = model.cluster, np.array([[2.0, 1.0]])  # two devices of one node
+    from shardplan.cluster.model import collective_seconds
+
+    def a2a(n):
+        return float(collective_seconds(cluster, "all_to_all", np.array([float(n)]), q)[0])
+    priced = items["token_all_to_all"]
+    assert float(priced.fwd[0]) == pytest.approx(sum(a2a(n) for n, _, ph in seen if ph == "forward"), rel=1e-12)
+    assert float(priced.bwd[0]) == pytest.approx(sum(a2a(n) for n, _, ph in seen if ph == "backward"), rel=1e-12)
+    gathered = {it.name: it for it in model.node_cost_items(graph, graph.ops[blocks[0]],
+                                                            tables.configs[blocks[0]][[choice[blocks[0]]]])}
+    assert float(gathered["token_all_to_all"].seconds[0]) == 0.0  # the gathered block moves no rows
 
 
 def test_plan_verify_hf_llama_on_a_2x2_mesh(capsys):

@@ -2,28 +2,34 @@
 router, token gather, grouped gate/up and down GEMMs, weighting, scatter back) fused into a single
 ``moe`` op, so the search can choose expert parallelism for the block as a whole.
 
-The fused op's dims are ``batch`` (split: data parallel), ``seq`` and ``features`` (whole) and
-``experts`` (split: expert parallel). Its operands say what each split costs under the analytic
-model's missing-dims rule (``cost.analytic``), and ``execute.apply`` runs exactly that:
+The fused op's dims are ``batch`` (split: data parallel), ``seq`` and ``features`` (whole), and two
+ways to split the experts, which the search may mix:
 
-* the hidden states are read as ``(batch, seq, features)``: with ``experts`` split over mesh axes A
-  the block's input is replicated over A (an all-gather of the tokens at the edge into the block);
-* the output lacks ``experts``: each rank's local experts give partial sums for every token, which
-  are all-reduced over A;
-* the experts' weights are indexed by ``experts``: each rank keeps ``E / |A|`` experts, and their
-  gradients are reduced over the batch split only;
-* the router's weight is indexed by ``features`` only: replicated, its gradient partial over every
-  split (each rank back-propagates through its own experts' rows).
+* ``experts`` (split over mesh axes A): **gather and reduce**. The block's input is read as
+  ``(batch, seq, features)`` without ``experts``, so it is replicated over A (an all-gather of the
+  tokens at the edge into the block); each rank runs its ``E / |A|`` experts on every token and the
+  output, which lacks ``experts`` too, is a partial sum all-reduced over A. Exact for any routing,
+  and no collective of its own: DTensor moves the tokens.
+* ``experts_a2a`` (split over mesh axes B): **all-to-all dispatch** (GShard, Lepikhin et al. 2021;
+  DeepSpeed-MoE). The input and output are read as ``(batch x experts_a2a, seq, features)``: each
+  rank of B holds its own share of the tokens, sends each (token, choice) row to the rank holding
+  that expert and gets the expert's output back, two all-to-alls forward and two backward
+  (``cost.analytic`` prices them from ``top_k``; ``execute.apply`` runs them). Uniform routing
+  moves ``top_k / |B|`` of a rank's tokens per peer, against the whole token set for a gather.
 
-Why gather-and-reduce rather than all-to-all: it is exact for any routing with no capacity limit,
-and DTensor does it with its own collectives (``all_to_all`` is not in gloo's DTensor path).
+Either way the experts' weights are indexed by both (``(experts, experts_a2a)`` on their leading
+axis: each rank keeps ``E / (|A| |B|)`` experts), so their gradients are reduced over the batch split
+only; the router's weight is indexed by ``features`` only: replicated, its gradient partial over
+every split (each rank back-propagates through its own experts' rows, of its own tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from shardplan.ir.graph import Dim, DimKind, Graph, Op, Operand
+from shardplan.cost.analytic import A2A
+from shardplan.ir.graph import Dim, DimKind, Graph, Op, Operand, TensorSpec
 
 KIND = "moe"
 
@@ -71,13 +77,17 @@ def fuse_block(graph: Graph, block: str) -> Graph:
     if len(x.shape) == 3:
         dims.append(Dim("seq", x.shape[1], DimKind.SEQUENCE, splittable=False))
         x_axes.append(("seq",))
-    dims += [Dim("experts", e, DimKind.PARALLEL), Dim("features", features, splittable=False)]
+    dims += [Dim("experts", e, DimKind.PARALLEL), Dim(A2A, e, DimKind.PARALLEL),
+             Dim("features", features, splittable=False)]
+    x_axes[0] = ("batch", A2A)  # all-to-all dispatch: each rank of its group holds its own tokens
     x_axes.append(("features",))
     inputs = [Operand(x.name, tuple(x_axes))]
+    limited = {x.name: (0, x.shape[0])}  # the tokens split by batch x experts_a2a: whole samples per rank
     for name, axes in params.items():
         shape = graph.tensor(name).shape
         if any(name == o.tensor for op in grouped for o in op.inputs):
-            axes = (("experts",),) + ((),) * (len(shape) - 1)  # the experts' own weights
+            axes = (("experts", A2A),) + ((),) * (len(shape) - 1)  # the experts' own weights
+            limited[name] = (0, e)  # both splits of the experts together: whole experts per rank
         elif any(_inside(op, block) and op.module == name.rpartition(".")[0] for op in ops):
             # a weight of the block itself (the router): replicated, read along the features
             axes = tuple(("features",) if i == len(shape) - 1 and s == features else () for i, s in enumerate(shape))
@@ -124,8 +134,21 @@ def fuse_block(graph: Graph, block: str) -> Graph:
     new_ops = [fused if i == last else renamed(op) for i, op in enumerate(graph.ops)
                if i == last or i not in set(idx)]
     internal = made - {old_name}
-    tensors = tuple(out if t.name == old_name else t for t in graph.tensors if t.name not in internal)
+    limited[out.name] = (0, x.shape[0])
+    tensors = tuple(_limited(out if t.name == old_name else t, limited) for t in graph.tensors
+                    if t.name not in internal)
     return Graph(graph.name, tuple(new_ops), tensors, graph.meta)
+
+
+def _limited(spec: TensorSpec, limits: dict) -> TensorSpec:
+    """``spec`` with the split limit ``limits[spec.name] = (axis, n)`` merged into its own: the axis's
+    split count must then divide ``n`` as well as any limit it had."""
+    if spec.name not in limits:
+        return spec
+    axis, n = limits[spec.name]
+    old = list(spec.split_limits) or [0] * len(spec.shape)
+    old[axis] = math.gcd(old[axis], n) if old[axis] else n
+    return dataclasses.replace(spec, split_limits=tuple(old))
 
 
 def fuse(graph: Graph) -> Graph:

@@ -53,6 +53,8 @@ CONTRACTIONS = frozenset({"conv", "fc", "einsum", "lstm", "moe"})
 FREE = frozenset({"concat", "stack", "unstack", "reshape", "transpose"})
 KNOWN = CONTRACTIONS | FREE | {"embedding", "pool", "norm", "softmax", "softmax_xent", "reduce_mean",
                                "elementwise"}
+A2A = "experts_a2a"
+"""A mixture-of-experts block's experts split whose tokens move by all-to-all (``capture.moe``)."""
 GRAD_BUCKET_BYTES = 25.0 * 1024 * 1024
 """Bytes per weight-gradient all-reduce bucket: DDP's default (``bucket_cap_mb=25``), and what
 ``execute.gradients.reduce_gradients`` packs."""
@@ -278,7 +280,9 @@ class AnalyticCostModel:
                 # a parameter of a cheap op folded into this one (a norm's scale, captured graphs):
                 # it acts on the op's input before the op, whose gradient is reduced at the op, so
                 # its own gradient is partial only over the split dims of that input (the batch)
-                seen = set(acts[0].dims())
+                seen = set(acts[0].dims()) | ({"experts"} if op.kind == "moe" else set())
+                # (in a mixture-of-experts block the gradient reaching the norm is partial over
+                # the gathered experts split too: each rank back-propagates its own experts)
                 missing = [i for i, n in enumerate(op.dim_names) if n in seen]
             elif is_param and not any(op.dims[op.dim_index(n)].kind is DimKind.REDUCTION for n in present):
                 # a parameter outside the contraction (a bias: added to the reduced result) has a
@@ -316,6 +320,9 @@ class AnalyticCostModel:
                 stats = np.where(split[:, a], 4.0 * collective_seconds(
                     self.cluster, "all_reduce", rows * graph.tensor(op.outputs[0].tensor).dtype_bytes, q), 0.0)
                 items.append(CostItem("statistics_allreduce", "comm", True, stats, 0.5 * stats))
+        if op.kind == "moe" and A2A in index:
+            moves, fwd = self._token_all_to_all(graph, op, configs, c, strides)
+            items.append(CostItem("token_all_to_all", "comm", True, moves, fwd, op.inputs[0].tensor))
         if op.kind == "lstm":
             steps = self._lstm_steps(graph, op, configs, c, strides)
             items.append(CostItem("lstm_step_collectives", "comm", True, steps, 0.5 * steps))
@@ -349,6 +356,34 @@ class AnalyticCostModel:
         work = np.full(len(configs), 6.0 * whole / dev.kernel_bandwidth + 3.0 * 2 * dev.op_overhead)
         return [CostItem("loss_gather", "comm", True, gather, gather, out.tensor),
                 CostItem("loss", "compute", True, work, 0.5 * work)]
+
+    def _token_all_to_all(self, graph: Graph, op: Op, configs: np.ndarray, c: np.ndarray,
+                          strides) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, forward seconds) of a mixture-of-experts block's token moves under an
+        ``experts_a2a`` split of ``d`` ways (``capture.moe``; GShard's dispatch, Lepikhin et al. 2021,
+        as ``execute.experts`` runs it). Forward, each device tells every peer how many rows it sends
+        (an all-to-all of ``8 d`` bytes), sends each row's expert id (8 bytes a row) and then every
+        (token, choice) row of its own tokens to the device holding that expert (dispatch), and gets
+        the rows back through the expert (combine); backward, the last two carry the gradients.
+        Rows per device and their bytes ``n``, under uniform routing:
+
+            rows = x' rows x top_k / e    n = rows x features x dtype bytes
+            (x': the device's tile of the block's input, its own tokens; e: the gathered ``experts``
+             split, whose other groups take the other ``1 - 1/e`` of the choices)
+
+        each an all-to-all of ``cluster.collective_seconds`` (a device keeps ``1/d`` of its buffer and
+        sends the rest). Load imbalance (a popular expert) is not priced."""
+        i, e = op.dim_index(A2A), c[:, op.dim_index("experts")]
+        x = graph.tensor(op.inputs[0].tensor)
+        rows = self.tile_bytes(graph, op, configs, op.inputs[0]) / x.dtype_bytes / x.shape[-1] * op.attr("top_k", 1) / e
+        q = self.group_levels(configs, strides, [i])
+
+        def a2a(nbytes):
+            return collective_seconds(self.cluster, "all_to_all", nbytes, q)
+        moves = 2.0 * a2a(rows * x.shape[-1] * x.dtype_bytes)
+        fwd = moves + a2a(8.0 * c[:, i]) + a2a(8.0 * rows)
+        on = c[:, i] > 1
+        return np.where(on, fwd + moves, 0.0), np.where(on, fwd, 0.0)
 
     def _sync_wait(self, items: list[CostItem], K: int) -> CostItem:
         """Waiting for the slowest peer at a sync point: ``sync_stretch x`` the op's compute in each pass

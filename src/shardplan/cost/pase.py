@@ -58,6 +58,8 @@ class PaseCostModel:
             return frozenset(d.name for d in op.dims if d.kind.value == "spatial")  # no halo exchange
         if op.kind == "lstm":
             return frozenset({"seq"})
+        if op.kind == "moe":
+            return frozenset({"experts_a2a"})  # PaSE prices no all-to-all: its experts split gathers
         return frozenset()
 
     # -- node costs ----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from shardplan.cluster.mesh import MeshError, OpMesh
-from shardplan.cost.analytic import GRAD_BUCKET_BYTES
+from shardplan.cost.analytic import A2A, GRAD_BUCKET_BYTES
 from shardplan.execute.gradients import reduce_gradients
 from shardplan.execute.joins import PlannedJoins, graph_joins, tag
 from shardplan.execute.local import compute_locally, local_roles, run_locally
@@ -87,9 +87,9 @@ def check_model(graph: Graph, plan: Plan) -> None:
             ways = math.prod(factors[d] for d in lim.dims)
             if lim.limit % ways:
                 raise ApplyError(f"op {op.name!r} splits axis {lim.axis} of {lim.tensor!r} {ways} ways, but the "
-                                 f"model views that axis as {lim.limit} blocks (heads); splits must "
-                                 f"divide {lim.limit}")
-        allowed = ("batch", "experts") if op.kind == "moe" else ("batch",)
+                                 f"model views that axis as {lim.limit} blocks (attention heads, samples or "
+                                 f"experts); splits must divide {lim.limit}")
+        allowed = ("batch", "experts", A2A) if op.kind == "moe" else ("batch",)
         if op.kind not in _RUNNABLE and p.devices > 1 and any(
                 f > 1 and d not in allowed for d, f in p.split):
             raise ApplyError(f"op {op.name!r} of kind {op.kind!r} can only be split by "
@@ -319,11 +319,15 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
         op, om = next((op, om) for op, om in zip(graph.ops, opmeshes) if op.name == block)
         acts = [o for o in op.inputs if not graph.tensor(o.tensor).is_param]
         pl = placements(acts[0], om, shape)
-        ep_axes = tuple(i for i, d in enumerate(om.placements(shape)) if d == "experts")
-        if ep_axes:
-            owner, _, attr = next(o.tensor for o in op.inputs if o.axes and o.axes[0] == ("experts",)).rpartition(".")
+        split = om.placements(shape)
+        ep_axes = tuple(i for i, d in enumerate(split) if d == "experts")
+        a2a_axes = tuple(i for i, d in enumerate(split) if d == A2A)
+        if ep_axes or a2a_axes:
+            from shardplan.execute.experts import split_experts
+
+            owner, _, attr = next(o.tensor for o in op.inputs if o.axes and "experts" in o.axes[0]).rpartition(".")
             experts = module.get_submodule(owner)
-            _split_experts(experts, owner, getattr(experts, attr))
+            split_experts(experts, owner, getattr(experts, attr), mesh, a2a_axes)
         run_locally(module.get_submodule(block), mesh, pl, 0, ep_axes)
     names = dict(input_names or {})
     inputs = {names.get(k, k): v for k, v in wants.items()}
@@ -346,33 +350,6 @@ def apply_plan(module: nn.Module, plan: Plan, device_mesh: DeviceMesh, example_i
 
         graph = capture(module, example_inputs, example_kwargs, name=plan.model)
     return apply(module, graph, plan, device_mesh)
-
-
-def _split_experts(experts: nn.Module, fqn: str, weight) -> None:
-    """Make a routed-experts module (transformers' ``...Experts``: ``num_experts`` and 3-D weights with
-    a leading experts axis) compute only this rank's experts: ids of other ranks' experts become the
-    sentinel ``num_experts`` (local), which transformers' expert kernels skip."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not hasattr(experts, "num_experts"):
-        raise ApplyError(f"module {fqn!r} ({type(experts).__name__}) holds the experts but has no "
-                         f"num_experts; shardplan splits transformers' experts modules only")
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():  # plain integers even in a dry run's fake tensors (execute.dryrun)
-        local_shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
-                                                                    weight.placements)
-    first, count = int(offset[0]), int(local_shape[0])
-    forward = experts.forward
-
-    def ep_forward(hidden_states, top_k_index, top_k_weights, *rest, **kw):
-        local = top_k_index - first
-        local = torch.where((local >= 0) & (local < count), local, torch.full_like(local, count))
-        return forward(hidden_states, local, top_k_weights, *rest, **kw)
-
-    experts.num_experts = count
-    experts._is_expert_parallel = True
-    experts.forward = ep_forward
 
 
 class _GradAt(torch.autograd.Function):

@@ -22,10 +22,11 @@ def run_locally(sub: nn.Module, mesh: DeviceMesh, in_pl, batch_in: int = 0, ep_a
     its share of the batch), so DTensor reduces them as a data-parallel gradient; outputs go back as
     DTensors sharded on the batch (an LSTM's state on its axis 1).
 
-    Expert parallelism (``ep_axes``: the mesh axes splitting the experts): the input is whole over
-    those axes (the planned layout gathers it), each rank runs its own experts on every token, and
-    its output is a partial sum, all-reduced over ``ep_axes``; the gradients of the input and of the
-    replicated router are partial there too, the experts' own stay sharded."""
+    Expert parallelism (``ep_axes``: the mesh axes splitting the experts with gathered tokens): the
+    input is whole over those axes (the planned layout gathers it), each rank runs its own experts
+    on every token, and its output is a partial sum, all-reduced over ``ep_axes``; the gradients of
+    the input and of the replicated router are partial there too, the experts' own stay sharded.
+    Axes whose experts receive tokens by all-to-all (``execute.experts``) split the batch here."""
     from torch.distributed.tensor import Partial
     from torch.func import functional_call
 
@@ -38,10 +39,12 @@ def run_locally(sub: nn.Module, mesh: DeviceMesh, in_pl, batch_in: int = 0, ep_a
         target = [Shard(batch_in) if isinstance(p, Shard) else Replicate() for p in in_pl]
         x = x.redistribute(mesh, target) if tuple(x.placements) != tuple(target) else x
 
-        def grad_pl(w):  # partial over the batch split; over the experts split unless sharded there
-            return [Partial() if isinstance(p, Shard) else
-                    (q if isinstance(q, Shard) else Partial()) if i in ep_axes else Replicate()
-                    for i, (p, q) in enumerate(zip(target, w.placements))]
+        def grad_pl(w):
+            # a weight sharded along a mesh axis (experts) keeps its gradient sharded there; one
+            # replicated along it has a partial gradient where the input is split (batch, or the
+            # tokens an all-to-all dispatch holds per rank) or the experts are (gathered tokens)
+            return [q if isinstance(q, Shard) else Partial() if isinstance(p, Shard) or i in ep_axes
+                    else Replicate() for i, (p, q) in enumerate(zip(target, w.placements))]
 
         weights = {n: (w.to_local(grad_placements=grad_pl(w)) if isinstance(w, DTensor) else w)
                    for n, w in sub.named_parameters()}

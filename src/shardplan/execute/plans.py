@@ -10,7 +10,7 @@ parallel elsewhere. ``half_data_parallel`` is data parallel up to the middle op 
 configuration uniformly from the search space (seeded): a plan no one would pick by hand, with
 redistributions wherever neighbours disagree, that the cost model must still price. ``expert_parallel``
 is data parallel with each mixture-of-experts block's experts split over as many devices as divide
-them, the rest of the devices splitting its batch.
+them, their tokens sent by all-to-all (or gathered), the rest of the devices splitting its batch.
 """
 
 from __future__ import annotations
@@ -101,16 +101,25 @@ def half_data_parallel(tables: CostTables) -> list[int]:
     return dp[:half] + rep[half:]
 
 
-def expert_parallel(tables: CostTables) -> list[int]:
+def expert_parallel(tables: CostTables, dispatch: str = "all_to_all") -> list[int]:
     """Data parallel, and every fused mixture-of-experts op (``capture.moe``) split over its experts
-    ``gcd(experts, p)`` ways, its batch over the remaining devices where the batch divides."""
+    ``e = gcd(experts, p)`` ways. ``dispatch="all_to_all"`` (GShard's layout): the ``e`` expert ranks
+    also split the block's tokens and send each row to its expert (``experts_a2a``), the batch split
+    over the remaining devices; ``"gather"``: the ``e`` ranks gather the tokens and sum the experts'
+    outputs (``experts``), the batch over the remaining devices. Either batch split is the largest
+    the batch allows."""
+    if dispatch not in ("all_to_all", "gather"):
+        raise ValueError(f"dispatch must be 'all_to_all' or 'gather', got {dispatch!r}")
     p, choice = tables.devices, list(data_parallel(tables))
     for i, op in enumerate(tables.graph.ops):
         if op.kind != "moe":
             continue
         e = math.gcd(op.dim("experts").size, p)
-        b = math.gcd(op.dim("batch").size, p // e)
-        choice[i] = _config(tables, i, experts=e, batch=b)
+        if dispatch == "gather":
+            choice[i] = _config(tables, i, experts=e, batch=math.gcd(op.dim("batch").size, p // e))
+            continue
+        e = math.gcd(e, op.dim("batch").size)  # the tokens split by whole samples over the expert ranks
+        choice[i] = _config(tables, i, experts_a2a=e, batch=math.gcd(op.dim("batch").size // e, p // e))
     return choice
 
 

@@ -1,0 +1,165 @@
+"""Expert parallelism at run time: a routed-experts module (transformers' ``...Experts``: a
+``num_experts`` count and 3-D weights with a leading experts axis, called as ``experts(hidden,
+top_k_index, top_k_weights)``) made to compute only this rank's experts.
+
+A fused mixture-of-experts op (``capture.moe``) splits its experts two ways, which a plan may mix:
+
+* ``experts`` over mesh axes A: the block's tokens are whole over A (the planned layout gathered
+  them), each rank runs its own experts on every token and its output is a partial sum that
+  ``execute.local.run_locally`` all-reduces over A. Choices of other ranks' experts are skipped.
+* ``experts_a2a`` over mesh axes B: each rank of B holds its own tokens. Every (token, choice) row is
+  sent to the rank of B holding that expert (an all-to-all of rows, with the expert's local id
+  alongside), the expert runs there with weight 1, the rows come back by the reverse all-to-all and
+  are weighted by the router and summed into their tokens here (GShard's dispatch and combine,
+  Lepikhin et al. 2021). The functional ``all_to_all_single`` carries the rows, so the backward
+  pass sends the gradients back the same way. No capacity limit: no row is dropped, so
+  the result is the single-device block's, up to the order of floating-point additions.
+
+A rank's experts are a block of ``count`` consecutive ids, ``first = block x count``, where the
+block is the rank's coordinate over the mesh axes sharding the weights' leading axis (A and B, in
+mesh order, as DTensor shards one tensor axis over several mesh axes).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardplan.execute.apply import ApplyError
+
+
+def split_experts(experts: nn.Module, fqn: str, weight, mesh: DeviceMesh, a2a_axes: tuple[int, ...] = ()) -> None:
+    """Make ``experts`` (module ``fqn``, its leading-axis weight ``weight`` already distributed as the
+    plan says) compute only this rank's experts; with ``a2a_axes`` its tokens travel to their experts
+    by all-to-all over those mesh axes (the module doc)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not hasattr(experts, "num_experts"):
+        raise ApplyError(f"module {fqn!r} ({type(experts).__name__}) holds the experts but has no "
+                           f"num_experts; shardplan splits transformers' experts modules only")
+    with unset_fake_temporarily():  # plain integers even in a dry run's fake tensors (execute.dryrun)
+        local_shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
+                                                                    weight.placements)
+        first, count = int(offset[0]), int(local_shape[0])
+        total = int(weight.shape[0])
+        sharding = tuple(i for i, p in enumerate(weight.placements) if isinstance(p, Shard) and p.dim == 0)
+        route = _routes(mesh, sharding, a2a_axes, total, count, first) if a2a_axes else None
+    forward = experts.forward
+    experts.num_experts = count
+    experts._is_expert_parallel = True
+    if route is None:
+        def ep_forward(hidden_states, top_k_index, top_k_weights, *rest, **kw):
+            local = top_k_index - first
+            local = torch.where((local >= 0) & (local < count), local, torch.full_like(local, count))
+            return _touched(experts, forward(hidden_states, local, top_k_weights, *rest, **kw))
+        experts.forward = ep_forward
+        return
+    group, dest, size = route
+
+    def a2a_forward(hidden_states, top_k_index, top_k_weights):
+        return _dispatch(experts, forward, group, size, dest, count, hidden_states, top_k_index, top_k_weights)
+    experts.forward = a2a_forward
+
+
+def _touched(experts: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """``out`` plus zero times one element of each of the experts' weights: a rank whose experts got
+    no row this step still gives each weight a gradient (zeros), so every rank reduces the same
+    gradients afterwards (``execute.gradients``)."""
+    for p in experts.parameters(recurse=False):
+        out = out + 0.0 * p.reshape(-1)[0].to(out.dtype)
+    return out
+
+
+def _routes(mesh: DeviceMesh, sharding: tuple[int, ...], a2a_axes: tuple[int, ...], total: int, count: int,
+            first: int):
+    """(process group over ``a2a_axes``, owner's rank in it per expert id or -1 for an expert held
+    outside the group, the group's size). Every rank calls this, in the same order (a group over
+    several mesh axes is made with ``new_subgroups_by_enumeration``)."""
+    if any(a not in sharding for a in a2a_axes):
+        raise ApplyError(f"the experts' weights are not sharded over mesh axes {a2a_axes} that send their "
+                           f"tokens by all-to-all (sharded over {sharding})")
+    shape = tuple(mesh.mesh.shape)
+    me = tuple(int(c) for c in mesh.get_coordinate())
+    sizes = [shape[a] for a in sharding]
+    block = 0
+    for a in sharding:
+        block = block * shape[a] + me[a]
+    if block * count != first:
+        raise ApplyError(f"expert range of this rank: DTensor says from {first}, the mesh coordinate "
+                           f"{me} gives {block * count}")
+
+    def coordinate(b: int) -> dict[int, int]:  # the block's coordinate over the sharding axes
+        out = {}
+        for a, s in zip(reversed(sharding), reversed(sizes)):
+            out[a] = b % s
+            b //= s
+        return out
+
+    if len(a2a_axes) == 1:
+        group = mesh.get_group(a2a_axes[0])
+    else:
+        others = [a for a in range(len(shape)) if a not in a2a_axes]
+        lists = []
+        for fixed in itertools.product(*(range(shape[a]) for a in others)):
+            at = dict(zip(others, fixed))
+            lists.append([int(mesh.mesh[tuple(at.get(a, c) for a, c in enumerate(cs))])
+                          for cs in _coords(shape, a2a_axes)])
+        group, _ = dist.new_subgroups_by_enumeration(lists)
+    dest = []
+    for x in range(total):
+        owner = coordinate(x // count)
+        if any(owner[a] != me[a] for a in sharding if a not in a2a_axes):
+            dest.append(-1)  # a gathered split's other group holds it: its partial sum comes from there
+            continue
+        rank = int(mesh.mesh[tuple(owner.get(a, me[a]) for a in range(len(shape)))])
+        dest.append(dist.get_group_rank(group, rank))
+    return group, tuple(dest), dist.get_world_size(group)
+
+
+def _coords(shape: tuple[int, ...], axes: tuple[int, ...]):
+    """Coordinates over ``axes`` (every other axis 0), in row-major order."""
+    for cs in itertools.product(*(range(shape[a]) for a in axes)):
+        full = [0] * len(shape)
+        for a, c in zip(axes, cs):
+            full[a] = c
+        yield tuple(full)
+
+
+def _dispatch(experts, forward, group, size: int, dest: tuple[int, ...], count: int, hidden, top_k_index,
+              top_k_weights):
+    """One routed-experts call with its rows sent to their experts' ranks and back (the module doc).
+    In a dry run's fake tensors the row counts are unknown, so uniform routing is assumed, which is
+    what the cost model prices."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
+
+    tokens, k = top_k_index.shape
+    choice = top_k_index.reshape(-1)
+    token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)
+    if is_fake(hidden):  # no values: uniform routing, the choices this group's experts take split evenly
+        mine = tokens * k * sum(d >= 0 for d in dest) // len(dest)
+        order = torch.arange(mine, device=hidden.device)
+        counts = torch.full((size,), mine // size, dtype=torch.int64, device=hidden.device)
+        wait_tensor(all_to_all_single(counts, None, None, group))  # the same exchange as a real step
+        send = [mine // size + (1 if r < mine % size else 0) for r in range(size)]
+        recv = list(send)
+    else:
+        to = torch.tensor(dest, dtype=torch.int64, device=choice.device)[choice]
+        kept = (to >= 0).nonzero().squeeze(1)
+        order = kept[torch.argsort(to[kept], stable=True)]
+        counts = torch.bincount(to[order], minlength=size)
+        got = wait_tensor(all_to_all_single(counts, None, None, group))  # how many rows each peer sends
+        send, recv = counts.tolist(), got.tolist()
+    ids = wait_tensor(all_to_all_single(choice[order] % count, recv, send, group))  # the experts' local ids
+    rows = wait_tensor(all_to_all_single(hidden[token[order]], recv, send, group))
+    done = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=top_k_weights.dtype, device=rows.device))
+    done = _touched(experts, done)
+    back = wait_tensor(all_to_all_single(done, send, recv, group))
+    weighted = (back * top_k_weights.reshape(-1)[order, None]).to(hidden.dtype)
+    return torch.zeros_like(hidden).index_add(0, token[order], weighted)
