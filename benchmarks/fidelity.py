@@ -80,6 +80,24 @@ MODELS = {  # name -> (config, batch, seq)
 }
 
 
+def launch(model: str, config: str, devices: int, steps: int, batch: int, seq: int, cluster_file: str,
+           plan_files: list[str], check: bool = False) -> tuple[list | None, str]:
+    """One ``shardplan run`` launch of every plan in ``plan_files``, their steps interleaved:
+    (one record per plan, as ``shardplan run --json`` gives them, ""), or (None, the failure's last
+    line of stderr). ``check``: also compare each plan with single-device training."""
+    cmd = [sys.executable, "-m", "shardplan.report.cli", "run", "--model", model, "--hf-config", config,
+           "--devices", str(devices), "--steps", str(steps), "--batch", str(batch), "--seq", str(seq),
+           "--cluster", cluster_file, "--json", "-"]
+    for path in plan_files:
+        cmd += ["--plan", path]
+    cmd += ["--check"] if check else []
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])["plans"], ""
+    except (IndexError, KeyError, json.JSONDecodeError):
+        return None, " ".join(proc.stderr.strip().splitlines()[-1:])
+
+
 def kendall_tau(a: list[float], b: list[float]) -> float:
     """Kendall's tau-b between two rankings: (agreeing - disagreeing pairs) / sqrt((pairs - pairs tied
     in a) x (pairs - pairs tied in b))."""
@@ -208,17 +226,10 @@ def main() -> None:
             mean_step = float(np.mean([step_seconds(model, tables, list(c)) for c in plans.values()]))
             steps = max(steps, math.ceil(args.measure_seconds / mean_step))
         for rep in range(args.repeats):  # one launch per repeat, every plan's steps interleaved in it
-            cmd = [sys.executable, "-m", "shardplan.report.cli", "run", "--model", name, "--hf-config", config,
-                   "--devices", str(args.devices), "--steps", str(steps), "--batch", str(batch), "--seq",
-                   str(seq), "--cluster", cluster_file, "--json", "-"]
-            for pname in plans:
-                cmd += ["--plan", paths[pname]]
-            cmd += ["--check"] if rep == 0 else []
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            try:
-                records = json.loads(proc.stdout.strip().splitlines()[-1])["plans"]
-            except (IndexError, KeyError, json.JSONDecodeError):
-                print(f"| {name} | (all) | - | - | - | failed: {proc.stderr.strip().splitlines()[-1:]} |")
+            records, failure = launch(name, config, args.devices, steps, batch, seq, cluster_file,
+                                      [paths[p] for p in plans], check=rep == 0)
+            if records is None:
+                print(f"| {name} | (all) | - | - | - | failed: {failure} |")
                 continue
             for pname, rec in zip(plans, records):
                 runs[pname].append(rec)

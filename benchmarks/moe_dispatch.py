@@ -17,13 +17,12 @@ Kendall's tau of the predictions against the measurements.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from fidelity import measured, scores
+from fidelity import launch, measured, scores
 
 from shardplan.capture import capture
 from shardplan.capture.models import build, parse_config
@@ -74,17 +73,10 @@ def main() -> None:
             fh.write(Plan.from_choice(tables, list(choice)).to_json())
     runs: dict[str, list] = {p: [] for p in plans}
     for rep in range(args.repeats):
-        cmd = [sys.executable, "-m", "shardplan.report.cli", "run", "--model", "mixtral", "--hf-config", args.config,
-               "--devices", str(args.devices), "--steps", str(args.steps), "--batch", str(args.batch), "--seq",
-               str(args.seq), "--cluster", cluster_file, "--json", "-"]
-        for name in plans:
-            cmd += ["--plan", paths[name]]
-        cmd += ["--check"] if rep == 0 else []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        try:
-            records = json.loads(proc.stdout.strip().splitlines()[-1])["plans"]
-        except (IndexError, KeyError, json.JSONDecodeError):
-            sys.exit(f"shardplan run failed: {proc.stderr.strip()[-800:]}")
+        records, failure = launch("mixtral", args.config, args.devices, args.steps, args.batch, args.seq,
+                                  cluster_file, [paths[p] for p in plans], check=rep == 0)
+        if records is None:
+            sys.exit(f"shardplan run failed: {failure}")
         for name, rec in zip(plans, records):
             runs[name].append(rec)
     names = list(plans)
