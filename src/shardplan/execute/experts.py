@@ -42,7 +42,7 @@ def split_experts(experts: nn.Module, fqn: str, weight, mesh: DeviceMesh, a2a_ax
 
     if not hasattr(experts, "num_experts"):
         raise ApplyError(f"module {fqn!r} ({type(experts).__name__}) holds the experts but has no "
-                           f"num_experts; shardplan splits transformers' experts modules only")
+                         f"num_experts; shardplan splits transformers' experts modules only")
     with unset_fake_temporarily():  # plain integers even in a dry run's fake tensors (execute.dryrun)
         local_shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
                                                                     weight.placements)
@@ -83,7 +83,7 @@ def _routes(mesh: DeviceMesh, sharding: tuple[int, ...], a2a_axes: tuple[int, ..
     several mesh axes is made with ``new_subgroups_by_enumeration``)."""
     if any(a not in sharding for a in a2a_axes):
         raise ApplyError(f"the experts' weights are not sharded over mesh axes {a2a_axes} that send their "
-                           f"tokens by all-to-all (sharded over {sharding})")
+                         f"tokens by all-to-all (sharded over {sharding})")
     shape = tuple(mesh.mesh.shape)
     me = tuple(int(c) for c in mesh.get_coordinate())
     sizes = [shape[a] for a in sharding]
@@ -92,7 +92,7 @@ def _routes(mesh: DeviceMesh, sharding: tuple[int, ...], a2a_axes: tuple[int, ..
         block = block * shape[a] + me[a]
     if block * count != first:
         raise ApplyError(f"expert range of this rank: DTensor says from {first}, the mesh coordinate "
-                           f"{me} gives {block * count}")
+                         f"{me} gives {block * count}")
 
     def coordinate(b: int) -> dict[int, int]:  # the block's coordinate over the sharding axes
         out = {}
@@ -101,16 +101,7 @@ def _routes(mesh: DeviceMesh, sharding: tuple[int, ...], a2a_axes: tuple[int, ..
             b //= s
         return out
 
-    if len(a2a_axes) == 1:
-        group = mesh.get_group(a2a_axes[0])
-    else:
-        others = [a for a in range(len(shape)) if a not in a2a_axes]
-        lists = []
-        for fixed in itertools.product(*(range(shape[a]) for a in others)):
-            at = dict(zip(others, fixed))
-            lists.append([int(mesh.mesh[tuple(at.get(a, c) for a, c in enumerate(cs))])
-                          for cs in _coords(shape, a2a_axes)])
-        group, _ = dist.new_subgroups_by_enumeration(lists)
+    group = _group(mesh, a2a_axes)
     dest = []
     for x in range(total):
         owner = coordinate(x // count)
@@ -120,6 +111,24 @@ def _routes(mesh: DeviceMesh, sharding: tuple[int, ...], a2a_axes: tuple[int, ..
         rank = int(mesh.mesh[tuple(owner.get(a, me[a]) for a in range(len(shape)))])
         dest.append(dist.get_group_rank(group, rank))
     return group, tuple(dest), dist.get_world_size(group)
+
+
+def _group(mesh: DeviceMesh, axes: tuple[int, ...]):
+    """This rank's process group over mesh ``axes``: the mesh's own for one axis; for several, made
+    once per mesh (every MoE block of a model shares it) with ``new_subgroups_by_enumeration``."""
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    made = mesh.__dict__.setdefault("_shardplan_groups", {})
+    if axes not in made:
+        shape = tuple(mesh.mesh.shape)
+        others = [a for a in range(len(shape)) if a not in axes]
+        lists = []
+        for fixed in itertools.product(*(range(shape[a]) for a in others)):
+            at = dict(zip(others, fixed))
+            lists.append([int(mesh.mesh[tuple(at.get(a, c) for a, c in enumerate(cs))])
+                          for cs in _coords(shape, axes)])
+        made[axes], _ = dist.new_subgroups_by_enumeration(lists)
+    return made[axes]
 
 
 def _coords(shape: tuple[int, ...], axes: tuple[int, ...]):
