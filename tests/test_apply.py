@@ -166,6 +166,23 @@ def test_a_random_plan_from_the_search_space_runs(models, name, devices, seed):
     assert_matches(run_plan(module, kwargs, graph, plan, devices), loss, ref)
 
 
+@pytest.mark.parametrize("seed", [1, 4])
+def test_a_random_mixtral_plan_runs(seed):
+    """Random plans of Mixtral on 4 ranks (2x2 mesh), its MoE blocks among them: seed 1 sends the
+    first block's tokens by all-to-all over both mesh axes and gathers the second's over 4; seed 4
+    mixes a gathered and an all-to-all split of 2 each in the first block, batch and gathered
+    experts in the second. Attention and the head around them split at random too."""
+    import numpy as np
+
+    module, kwargs, graph, loss, ref = reference("mixtral")
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=4)), 4)
+    rng = np.random.default_rng(seed)
+    plan = Plan.from_choice(tables, [int(rng.integers(len(c))) for c in tables.configs])
+    blocks = [dict(p.split) for p, op in zip(plan.ops, graph.ops) if op.kind == "moe"]
+    assert [(b["experts"], b["experts_a2a"]) for b in blocks] == {1: [(1, 4), (4, 1)], 4: [(2, 2), (2, 1)]}[seed]
+    assert_matches(run_plan(module, kwargs, graph, plan, 4), loss, ref)
+
+
 def test_front_doors_capture_and_apply_as_the_issue_names_them(models):
     """``shardplan.capture(module, example_inputs)`` is the captured graph, and ``shardplan.apply(module,
     plan, mesh, example_inputs)`` captures the module itself and runs the plan: the single-device loss
