@@ -68,6 +68,19 @@ def test_data_parallel_on_64_ranks_reduces_every_parameter_once_without_64_proce
     assert sum(c.nbytes for c in grads) == 4 * sum(p.numel() for p in module.parameters())
 
 
+def test_gradient_buckets_report_the_group_they_reduce_over():
+    """The MLP's batch split 2 ways on 4 ranks (a 2x2 mesh, the other axis replicating): each
+    bucketed gradient all-reduce runs over the batch axis's 2 ranks, and the dry run says so (c10d
+    passes the group boxed in a script object; before, the recorder fell back to the world's 4)."""
+    graph, model, tables = _tables("torch_mlp", "", 4, 8, 1)
+    choice = [tables.index_of(i, tuple(2 if d.kind.name == "BATCH" else 1 for d in op.dims))
+              for i, op in enumerate(graph.ops)]
+    run = dry_run("torch_mlp", "", 8, 1, Plan.from_choice(tables, choice))
+    assert run.mesh == (2, 2)
+    grads = [c for c in run.collectives if c.phase == "gradients"]
+    assert grads and all(c.kind == "all_reduce" and c.ranks == 2 for c in grads)
+
+
 def test_cli_dry_run_json_and_refusals(capsys, tmp_path):
     assert main(["run", "--model", "torch_mlp", "--devices", "4", "--batch", "8", "--dry-run", "--json", "-"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -85,9 +85,14 @@ def _group_size(name: str, args) -> int:
         return int(args[1] if name == "all_gather_into_tensor" else args[2])
     if name in ("all_reduce", "all_to_all_single"):
         return _resolve_process_group(args[-1]).size()
-    for a in args:  # c10d's in-place ops carry the process group object
+    for a in args:  # c10d's in-place ops carry the process group, boxed as a script object
         if isinstance(a, dist.ProcessGroup):
             return int(a.size())
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return int(dist.ProcessGroup.unbox(a).size())
+            except RuntimeError:  # another script object (the reduce op)
+                continue
     return dist.get_world_size()
 
 
