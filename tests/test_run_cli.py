@@ -30,7 +30,7 @@ def test_run_with_check_on_two_ranks():
 
 def test_ranks_take_a_gpu_each_where_torch_sees_gpus(monkeypatch):
     """A rank's device is its local GPU (torchrun's LOCAL_RANK) where torch sees GPUs, else the CPU; a
-    launch asking for more ranks than GPUs is refused before torchrun starts."""
+    launch asking for more ranks on a host than it has GPUs is refused before torchrun starts."""
     import types
 
     import torch
@@ -42,8 +42,12 @@ def test_ranks_take_a_gpu_each_where_torch_sees_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert worker.rank_device() == torch.device("cuda", 3)
-    with pytest.raises(RuntimeError, match="asks for 2 ranks, but this machine has 1 GPU"):
+    with pytest.raises(RuntimeError, match="asks for 2 ranks on this host, but it has 1 GPU"):
         launch.launch("torch_mlp", "", 4, 16, types.SimpleNamespace(devices=2), 1, False)
+    # on two hosts each starts half the ranks: 4 ranks need 2 GPUs on each
+    with pytest.raises(RuntimeError, match="asks for 2 ranks on this host, but it has 1 GPU"):
+        launch.launch("torch_mlp", "", 4, 16, types.SimpleNamespace(devices=4), 1, False,
+                      hosts=launch.Hosts(nnodes=2, node_rank=1, master_port=29555))
 
 
 def test_example_plans_and_trains_llama_on_two_ranks():
@@ -97,6 +101,57 @@ def test_several_plans_run_interleaved_in_one_launch(tmp_path):
     for r in out["plans"]:
         assert r["check"]["passed"] is True and r["check"]["max_rel_diff"] <= 1e-5
         assert len(r["step_seconds"]) == 2 and r["best_step_seconds"] == min(r["step_seconds"])
+
+
+def test_two_hosts_run_one_data_parallel_world(tmp_path):
+    """``--nnodes 2``: two ``shardplan run`` processes, each one host's share of the ranks (here both
+    on this machine, meeting at a port on localhost as two hosts would at rank 0's). The data-parallel
+    plan's gradients are all-reduced across the two; rank 0's host reports the measured steps and the
+    check against single device, the other host its rank and that it finished."""
+    import socket
+
+    from shardplan.capture import capture
+    from shardplan.capture.models import build
+    from shardplan.cluster import get_cluster
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.tables import build_tables
+    from shardplan.plan import Plan
+    from shardplan.search.baselines import data_parallel
+
+    module, kwargs = build("torch_mlp")
+    graph = capture(module, (), kwargs, name="torch_mlp")
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=2)), 2)
+    plan = tmp_path / "dp.json"
+    plan.write_text(Plan.from_choice(tables, data_parallel(tables)).to_json())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def host(rank):
+        return [sys.executable, "-m", "shardplan.report.cli", "run", "--model", "torch_mlp", "--devices", "2",
+                "--steps", "2", "--check", "--plan", str(plan), "--json", "-", "--nnodes", "2", "--node-rank",
+                str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    other = subprocess.Popen(host(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.run(host(0), capture_output=True, text=True, timeout=300)
+    out1, err1 = other.communicate(timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert other.returncode == 0, err1[-2000:]
+    out = json.loads(first.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 2 and out["check"]["passed"] is True and out["check"]["max_rel_diff"] <= 1e-5
+    assert len(out["step_seconds"]) == 2 and out["measured_step_seconds"] > 0
+    assert all(dict(layer["split"]).get("batch") == 2 for layer in out["plan"])
+    assert json.loads(out1.strip().splitlines()[-1]) == {"node_rank": 1, "nnodes": 2, "ranks": [1], "ok": True,
+                                                           "errors": []}
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--devices", "3", "--nnodes", "2", "--master-port", "29555"], "do not split evenly over 2 hosts"),
+    (["--devices", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "29555"], "--node-rank must lie in 0..1"),
+    (["--devices", "2", "--nnodes", "2", "--node-rank", "1"], "needs --master-addr"),
+    (["--devices", "2", "--nnodes", "2", "--master-port", "29555", "--dry-run"], "leave out --nnodes")])
+def test_a_run_on_several_hosts_is_refused_before_launch_when_they_cannot_agree(extra, says, capsys):
+    assert main(["run", "--model", "torch_mlp", *extra]) == 2
+    assert says in capsys.readouterr().err
 
 
 def test_plan_of_another_model_is_refused_before_launch(tmp_path, capsys):

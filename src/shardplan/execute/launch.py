@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import torch
 
@@ -80,11 +81,51 @@ MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_thres
                    "glibc.malloc.top_pad=67108864")
 
 
-def torchrun(nproc: int, module: str, args: list[str], timeout_s: float = 600.0) -> subprocess.CompletedProcess:
-    """``python -m module args`` on ``nproc`` local ranks under torchrun (one thread each by default,
-    malloc keeping freed memory: ``MALLOC_TUNABLES``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", module, *args]
+@dataclass(frozen=True)
+class Hosts:
+    """The hosts a run's ranks live on. Every host runs the same ``shardplan run`` with its own
+    ``node_rank``; each starts ``devices / nnodes`` ranks under torchrun, and they meet at rank 0's
+    host, ``master_addr:master_port`` (torchrun's static rendezvous: global ranks ``node_rank x
+    per host`` onwards on each host). Rank 0's host reports the run. One host (the default): local
+    ranks, localhost and a free port."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise ValueError(f"--nnodes must be a positive integer, got {self.nnodes!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must lie in 0..{self.nnodes - 1} for {self.nnodes} host(s), got "
+                             f"{self.node_rank}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("a run on several hosts needs --master-addr (rank 0's host) and --master-port, the "
+                             "same on every host")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be a TCP port (1-65535), got {self.master_port}")
+
+    def per_host(self, devices: int) -> int:
+        """Ranks this host starts: ``devices`` split evenly over the hosts."""
+        if devices % self.nnodes:
+            raise ValueError(f"{devices} ranks do not split evenly over {self.nnodes} hosts; give --devices a "
+                             f"multiple of --nnodes")
+        return devices // self.nnodes
+
+    def ranks(self, devices: int) -> range:
+        """The global ranks this host starts."""
+        n = self.per_host(devices)
+        return range(self.node_rank * n, (self.node_rank + 1) * n)
+
+
+def torchrun(nproc: int, module: str, args: list[str], timeout_s: float = 600.0,
+             hosts: Hosts = Hosts()) -> subprocess.CompletedProcess:
+    """``python -m module args`` on ``nproc`` ranks of this host under torchrun (one thread each by
+    default, malloc keeping freed memory: ``MALLOC_TUNABLES``), meeting the other ``hosts``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts.nnodes), "--node_rank",
+           str(hosts.node_rank), "--nproc_per_node", str(nproc), "--master_addr", hosts.master_addr,
+           "--master_port", str(hosts.master_port or _free_port()), "-m", module, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=worker_env(os.environ))
 
 
@@ -100,16 +141,19 @@ def last_lines(proc: subprocess.CompletedProcess, n: int = 5) -> str:
 
 
 def launch(model: str, config: str, batch: int, seq: int, plan, steps: int, do_check: bool,
-           timeout_s: float = 600.0, worker: str = "shardplan.execute.worker") -> dict:
+           timeout_s: float = 600.0, worker: str = "shardplan.execute.worker", hosts: Hosts = Hosts()) -> dict:
     """torchrun ``worker`` (``shardplan.execute.worker`` for SPMD plans, ``.pipeline_worker`` for
     pipeline plans) on the plan's devices; rank 0's JSON result with every rank's errors. ``plan`` may
     be a list of SPMD plans on the same devices: one launch runs them all, their steps interleaved, and
-    the result holds one entry per plan under ``"plans"``."""
+    the result holds one entry per plan under ``"plans"``. On several ``hosts`` this host starts its
+    share of the ranks; a host other than rank 0's returns only ``ok``, its ranks and their errors
+    (``"node_rank"``, ``"ranks"``, ``"rank_errors"``)."""
     plans = list(plan) if isinstance(plan, (list, tuple)) else [plan]
+    here = hosts.per_host(plans[0].devices)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if worker == "shardplan.execute.worker" and gpus and plans[0].devices > gpus:
+    if worker == "shardplan.execute.worker" and gpus and here > gpus:
         # where torch sees GPUs, every SPMD rank runs on one of its own with NCCL (worker.rank_device)
-        raise RuntimeError(f"the plan asks for {plans[0].devices} ranks, but this machine has {gpus} GPU(s): "
+        raise RuntimeError(f"the plan asks for {here} ranks on this host, but it has {gpus} GPU(s): "
                            f"each rank runs on a GPU of its own")
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
@@ -120,11 +164,17 @@ def launch(model: str, config: str, batch: int, seq: int, plan, steps: int, do_c
             with open(plan_path, "w") as fh:
                 fh.write(p.to_json())
             args += ["--plan", plan_path]
-        proc = torchrun(plans[0].devices, worker, args, timeout_s)
-        if not os.path.exists(out_path):
+        proc = torchrun(here, worker, args, timeout_s, hosts)
+        if hosts.node_rank:  # rank 0 lives elsewhere and reports the run; here, only this host's ranks
+            result = {"ok": proc.returncode == 0, "node_rank": hosts.node_rank,
+                      "ranks": list(hosts.ranks(plans[0].devices)), "rank_errors": []}
+            if proc.returncode and not any(n.startswith("result.json.rank") for n in os.listdir(tmp)):
+                result["rank_errors"].append(f"torchrun exited with {proc.returncode}:\n{last_lines(proc)}")
+        elif not os.path.exists(out_path):
             raise RuntimeError(f"torchrun exited with {proc.returncode} and no result:\n{last_lines(proc)}")
-        with open(out_path) as fh:
-            result = json.load(fh)
+        else:
+            with open(out_path) as fh:
+                result = json.load(fh)
         for name in os.listdir(tmp):
             if name.startswith("result.json.rank"):
                 with open(os.path.join(tmp, name)) as fh:
@@ -192,6 +242,7 @@ def prepare_pipeline(model: str, config: str, batch: int, seq: int, devices: int
 
 
 def launch_pipeline(model: str, config: str, batch: int, seq: int, plan, steps: int, do_check: bool,
-                    timeout_s: float = 600.0) -> dict:
+                    timeout_s: float = 600.0, hosts: Hosts = Hosts()) -> dict:
     """:func:`launch` of ``shardplan.execute.pipeline_worker`` for a pipeline plan."""
-    return launch(model, config, batch, seq, plan, steps, do_check, timeout_s, "shardplan.execute.pipeline_worker")
+    return launch(model, config, batch, seq, plan, steps, do_check, timeout_s, "shardplan.execute.pipeline_worker",
+                  hosts)

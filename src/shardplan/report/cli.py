@@ -364,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--nodes", type=int, default=None)
     r.add_argument("--cost-model", default="analytic")
     r.add_argument("--json", default=None, help="write the result as JSON to FILE, or - for stdout")
+    r.add_argument("--nnodes", type=int, default=1,
+                   help="hosts the ranks run on: give every host the same command with its own --node-rank; "
+                        "each starts --devices / --nnodes ranks, rank 0's host reports the run")
+    r.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 .. --nnodes - 1")
+    r.add_argument("--master-addr", default="127.0.0.1", help="rank 0's host, where the ranks meet (several hosts)")
+    r.add_argument("--master-port", type=int, default=None, help="a free port on rank 0's host (several hosts)")
     c = sub.add_parser("calibrate", help="measure this machine and the process group; write a cluster file")
     c.add_argument("--devices", type=int, default=2, help="ranks to measure with (default 2)")
     c.add_argument("--out", default="calibrated.yaml", help="cluster file to write")

@@ -78,10 +78,13 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(cost_model, AnalyticCostModel):  # price the update and memory of what the run trains with
         cost_model = dataclasses.replace(cost_model, optimizer=RUN_OPTIMIZER)
     files = args.plan or [None]
+    hosts = _hosts(args, devices)
     if args.dry_run:
+        if hosts.nnodes > 1:
+            raise UsageError("--dry-run plays every rank in this one process: leave out --nnodes")
         return _dry_run(args, model_name, files, cost_model, cluster, devices)
     if len(files) > 1:
-        return _run_several(args, model_name, files, cost_model, cluster, devices)
+        return _run_several(args, model_name, files, cost_model, cluster, devices, hosts)
     try:
         pipeline = args.pipeline or is_pipeline_plan(files[0])
         if pipeline:
@@ -96,9 +99,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     try:
         go = launch_pipeline if pipeline else launch
-        result = go(model_name, args.hf_config, args.batch, args.seq, plan, args.steps, args.check)
+        result = go(model_name, args.hf_config, args.batch, args.seq, plan, args.steps, args.check, hosts=hosts)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
+    if hosts.node_rank:
+        return _report_host(args, result, hosts)
     out = _run_record(args, model_name, devices, cluster, cost_model.name, plan, predicted, result, pipeline)
     out["ok"], out["errors"] = result.get("ok"), result.get("rank_errors", [])
     if not _write_json(args, out):
@@ -108,6 +113,33 @@ def run(args: argparse.Namespace) -> int:
     if not result.get("ok") or (args.check and not out["check"].get("passed")):
         return 1
     return 0
+
+
+def _hosts(args, devices: int):
+    """The hosts of a run (``execute.launch.Hosts``) from ``--nnodes``, ``--node-rank``,
+    ``--master-addr`` and ``--master-port``, refused with the reason before anything starts."""
+    from shardplan.execute.launch import Hosts
+
+    try:
+        hosts = Hosts(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        hosts.per_host(devices)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return hosts
+
+
+def _report_host(args, result: dict, hosts) -> int:
+    """What a host other than rank 0's says of a run: which ranks it ran, whether they ended well and
+    their errors; the measurements are rank 0's host's to print."""
+    out = {"node_rank": hosts.node_rank, "nnodes": hosts.nnodes, "ranks": result.get("ranks"),
+           "ok": result.get("ok"), "errors": result.get("rank_errors", [])}
+    if not _write_json(args, out):
+        ranks = out["ranks"] or []
+        print(f"host {hosts.node_rank} of {hosts.nnodes}: ranks {ranks[0]}-{ranks[-1]} "
+              f"{'finished' if out['ok'] else 'FAILED'}; rank 0's host ({hosts.master_addr}) prints the run")
+        for e in out["errors"]:
+            print(f"  {e}")
+    return 0 if out["ok"] else 1
 
 
 def _run_record(args, model_name, devices, cluster, cost_model_name, plan, predicted, result, pipeline=False) -> dict:
@@ -192,7 +224,7 @@ def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: i
     return 0
 
 
-def _run_several(args, model_name: str, files: list[str], cost_model, cluster, devices: int) -> int:
+def _run_several(args, model_name: str, files: list[str], cost_model, cluster, devices: int, hosts) -> int:
     """``shardplan run --plan A --plan B ...``: one launch, the plans' steps interleaved round-robin
     (each on its own copy of the model), one record per plan under ``"plans"``."""
     from shardplan.execute.apply import ApplyError
@@ -214,9 +246,11 @@ def _run_several(args, model_name: str, files: list[str], cost_model, cluster, d
             raise UsageError(f"{f}: {exc}") from None
     try:
         result = launch(model_name, args.hf_config, args.batch, args.seq, [p for p, _ in prepared], args.steps,
-                        args.check)
+                        args.check, hosts=hosts)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
+    if hosts.node_rank:
+        return _report_host(args, result, hosts)
     per_plan = result.get("plans") or [{} for _ in files]
     records = []
     for f, (plan, predicted), r in zip(files, prepared, per_plan):
