@@ -5,8 +5,11 @@ top_k_index, top_k_weights)``) made to compute only this rank's experts.
 A fused mixture-of-experts op (``capture.moe``) splits its experts two ways, which a plan may mix:
 
 * ``experts`` over mesh axes A: the block's tokens are whole over A (the planned layout gathered
-  them), each rank runs its own experts on every token and its output is a partial sum that
-  ``execute.local.run_locally`` all-reduces over A. Choices of other ranks' experts are skipped.
+  them), each rank runs its own experts on the (token, choice) rows routed to them and its output
+  is a partial sum that ``execute.local.run_locally`` all-reduces over A. Only those rows enter
+  the experts' module: handed every row with other ranks' choices marked (an id past the local
+  experts), transformers' grouped implementation skips their products but still runs the
+  activation, masking and copies over all of them, 2x the pointwise work on 2 ranks.
 * ``experts_a2a`` over mesh axes B: each rank of B holds its own tokens. Every (token, choice) row is
   sent to the rank of B holding that expert (an all-to-all of rows, with the expert's local id
   alongside), the expert runs there with weight 1, the rows come back by the reverse all-to-all and
@@ -54,10 +57,8 @@ def split_experts(experts: nn.Module, fqn: str, weight, mesh: DeviceMesh, a2a_ax
     experts.num_experts = count
     experts._is_expert_parallel = True
     if route is None:
-        def ep_forward(hidden_states, top_k_index, top_k_weights, *rest, **kw):
-            local = top_k_index - first
-            local = torch.where((local >= 0) & (local < count), local, torch.full_like(local, count))
-            return _touched(experts, forward(hidden_states, local, top_k_weights, *rest, **kw))
+        def ep_forward(hidden_states, top_k_index, top_k_weights):
+            return _local(experts, forward, first, count, total, hidden_states, top_k_index, top_k_weights)
         experts.forward = ep_forward
         return
     group, dest, size = route
@@ -65,6 +66,33 @@ def split_experts(experts: nn.Module, fqn: str, weight, mesh: DeviceMesh, a2a_ax
     def a2a_forward(hidden_states, top_k_index, top_k_weights):
         return _dispatch(experts, forward, group, size, dest, count, hidden_states, top_k_index, top_k_weights)
     experts.forward = a2a_forward
+
+
+def _rows(experts, forward, rows: torch.Tensor, ids: torch.Tensor, dtype) -> torch.Tensor:
+    """Each row through its own (local) expert, unweighted: ``forward`` with one choice per row."""
+    done = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=dtype, device=rows.device))
+    return _touched(experts, done)
+
+
+def _combine(hidden, token: torch.Tensor, done: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The rows' outputs weighted by the router and summed into their tokens (``token``: each row's)."""
+    return torch.zeros_like(hidden).index_add(0, token, (done * weights[:, None]).to(hidden.dtype))
+
+
+def _local(experts, forward, first: int, count: int, total: int, hidden, top_k_index, top_k_weights):
+    """One routed-experts call on the rows of this rank's experts only (gathered tokens: the other
+    rows are other ranks' partial sums). In a dry run's fake tensors uniform routing is assumed."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    tokens, k = top_k_index.shape
+    choice = top_k_index.reshape(-1)
+    token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)
+    if is_fake(hidden):
+        order = torch.arange(tokens * k * count // total, device=hidden.device)
+    else:
+        order = ((choice >= first) & (choice < first + count)).nonzero().squeeze(1)
+    done = _rows(experts, forward, hidden[token[order]], choice[order] - first, top_k_weights.dtype)
+    return _combine(hidden, token[order], done, top_k_weights.reshape(-1)[order])
 
 
 def _touched(experts: nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -167,8 +195,6 @@ def _dispatch(experts, forward, group, size: int, dest: tuple[int, ...], count: 
         send, recv = counts.tolist(), got.tolist()
     ids = wait_tensor(all_to_all_single(choice[order] % count, recv, send, group))  # the experts' local ids
     rows = wait_tensor(all_to_all_single(hidden[token[order]], recv, send, group))
-    done = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=top_k_weights.dtype, device=rows.device))
-    done = _touched(experts, done)
+    done = _rows(experts, forward, rows, ids, top_k_weights.dtype)
     back = wait_tensor(all_to_all_single(done, send, recv, group))
-    weighted = (back * top_k_weights.reshape(-1)[order, None]).to(hidden.dtype)
-    return torch.zeros_like(hidden).index_add(0, token[order], weighted)
+    return _combine(hidden, token[order], back, top_k_weights.reshape(-1)[order])
