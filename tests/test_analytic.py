@@ -234,6 +234,35 @@ def test_gather_rates_price_one_way_collectives_and_edges():
         dataclasses.replace(lv, gather_latency=-1.0)
 
 
+def test_all_to_all_rates_price_the_all_to_all_alone():
+    """A level's ``all_to_all_latency`` and ``all_to_all_bandwidth`` (the runtime's own all-to-all,
+    calibrated apart) price the all-to-all and nothing else; unset, the all-to-all takes the one-way
+    collectives' rates; the fields round-trip through a cluster file and bad values are refused by name."""
+    import dataclasses
+
+    from shardplan.cluster.model import ClusterError
+    from shardplan.cluster.presets import cluster_from_dict, cluster_to_dict
+
+    base = cluster()
+    a_g, b_g, a_a, b_a = 3 * ALPHA0, BETA0 / 2, ALPHA0 / 2, BETA0 / 3
+    gathered = dataclasses.replace(base.levels[0], gather_latency=a_g, gather_bandwidth=b_g)
+    lv = dataclasses.replace(gathered, all_to_all_latency=a_a, all_to_all_bandwidth=b_a)
+    c = dataclasses.replace(base, levels=(lv,) + base.levels[1:])
+    plain = dataclasses.replace(base, levels=(gathered,) + base.levels[1:])
+    n, q = 8e6, c.per_level(4, 1)
+    assert collective_seconds(c, "all_to_all", n, q) == pytest.approx(3 * a_a + 0.75 * n / b_a)
+    assert collective_seconds(plain, "all_to_all", n, q) == pytest.approx(3 * a_g + 0.75 * n / b_g)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert collective_seconds(c, kind, n, q) == collective_seconds(plain, kind, n, q)
+    back = cluster_from_dict(cluster_to_dict(c))
+    assert (back.levels[0].all_to_all_latency, back.levels[0].all_to_all_bandwidth) == (a_a, b_a)
+    assert "all_to_all_latency" not in cluster_to_dict(plain)["levels"][0]
+    with pytest.raises(ClusterError, match="all_to_all_bandwidth"):
+        dataclasses.replace(lv, all_to_all_bandwidth=0.0)
+    with pytest.raises(ClusterError, match="all_to_all_latency"):
+        dataclasses.replace(lv, all_to_all_latency=-1.0)
+
+
 def test_a_runtime_without_all_to_all_gathers_the_split_dim_it_leaves():
     """On a CPU mesh DTensor moves batch-split -> feature-split (4 ways) by gathering the batch and
     cutting the features: each device receives the 3 tiles it lacks of the whole tensor, both ways,

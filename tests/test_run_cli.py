@@ -197,6 +197,8 @@ def test_calibrate_writes_a_cluster_file(tmp_path):
     assert 0 < cluster.device.elementwise_bandwidth <= cluster.device.memory_bandwidth
     # the runtime's all-gather, fitted apart from its all-reduce
     assert cluster.levels[0].gather_bandwidth > 0 and cluster.levels[0].gather_latency > 0
+    # and the all-to-all the runtime issues itself (execute.experts' token dispatch)
+    assert cluster.levels[0].all_to_all_bandwidth > 0 and cluster.levels[0].all_to_all_latency > 0
     # the convolution curves: the reference point (K = 576, M = 2048) is 1 by definition
     assert [k for k, _ in cluster.device.conv_reduction_efficiency] == [27.0, 144.0, 576.0]
     assert [m for m, _ in cluster.device.conv_rows_efficiency] == [128.0, 512.0, 2048.0, 8192.0]
@@ -351,6 +353,30 @@ def test_jitter_law_finds_the_horizon_the_waits_stop_growing_at():
                 after_backward=0.0)
     assert jitter_waits(0.01, **args)[("end", -1)] == pytest.approx(0.01 * math.sqrt(0.2))
     assert jitter_waits(0.01, **args, horizon=0.016)[("end", -1)] == pytest.approx(0.01 * math.sqrt(0.016))
+
+
+def test_network_fit_recovers_the_rates_that_made_the_times():
+    """Collective times made from known rates on 4 ranks (all-reduce, all-gather and all-to-all of
+    1 KB and 16 MB, as ``calibrate`` measures them) give those rates back from ``_network_fit``: the
+    latency from the small message (its time made of latency alone here, as the fit reads it) and
+    the bandwidth from the large one."""
+    from shardplan.execute.calibrate import LARGE_MESSAGE, _network_fit
+
+    p, large = 4, LARGE_MESSAGE * 4.0
+    rates = {"reduce": (2e-4, 1.5e9), "gather": (4e-4, 1e9), "a2a": (1e-4, 2e9)}
+
+    def reduce(n):
+        a, b = rates["reduce"]
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * n / b
+
+    def one_way(kind, n):
+        a, b = rates[kind]
+        return (p - 1) * a + (p - 1) / p * n / b
+    times = [0.0, 0.0, 2 * (p - 1) * rates["reduce"][0], reduce(large), (p - 1) * rates["gather"][0],
+             one_way("gather", large), (p - 1) * rates["a2a"][0], one_way("a2a", large)]
+    got = _network_fit(times, p)
+    want = rates["reduce"] + rates["gather"] + rates["a2a"]
+    assert got == pytest.approx(want, rel=1e-9)
 
 
 def test_conv_curves_by_hand():

@@ -168,6 +168,13 @@ class Level:
     gather_latency: float | None = None
     """``latency`` for the same (DTensor on gloo: a 1 KB all-gather of two ranks takes 450 us, its
     all-reduce 350 us, which the ring model reads as two steps of 175 us); None = ``latency``."""
+    all_to_all_bandwidth: float | None = None
+    """``gather_bandwidth`` for the all-to-alls a runtime issues itself, outside DTensor's
+    redistributions (``execute.experts``' token dispatch: c10d's ``all_to_all_single``); None = the
+    one-way collectives' (``move_bandwidth``). Measured by ``shardplan calibrate``."""
+    all_to_all_latency: float | None = None
+    """``gather_latency`` for the same (gloo, two ranks: about 100 us for 1 KB against DTensor's
+    all-gather's 430); None = ``move_latency``."""
 
     @property
     def move_bandwidth(self) -> float:
@@ -179,6 +186,16 @@ class Level:
         """Seconds per step of a one-way collective or an edge's move: ``gather_latency``, else ``latency``."""
         return self.latency if self.gather_latency is None else self.gather_latency
 
+    @property
+    def a2a_bandwidth(self) -> float:
+        """Bytes/s of an all-to-all: ``all_to_all_bandwidth``, else ``move_bandwidth``."""
+        return self.move_bandwidth if self.all_to_all_bandwidth is None else self.all_to_all_bandwidth
+
+    @property
+    def a2a_latency(self) -> float:
+        """Seconds per step of an all-to-all: ``all_to_all_latency``, else ``move_latency``."""
+        return self.move_latency if self.all_to_all_latency is None else self.all_to_all_latency
+
     def __post_init__(self) -> None:
         if not isinstance(self.fanout, int) or isinstance(self.fanout, bool) or self.fanout < 1:
             raise ClusterError(f"level {self.name!r}: fanout must be a positive integer, got {self.fanout!r}")
@@ -187,6 +204,8 @@ class Level:
         _check_number(where, "latency", self.latency, positive=False)
         _check_number(where, "gather_bandwidth", self.gather_bandwidth, positive=True, optional=True)
         _check_number(where, "gather_latency", self.gather_latency, positive=False, optional=True)
+        _check_number(where, "all_to_all_bandwidth", self.all_to_all_bandwidth, positive=True, optional=True)
+        _check_number(where, "all_to_all_latency", self.all_to_all_latency, positive=False, optional=True)
 
 
 @dataclass(frozen=True)
@@ -271,7 +290,7 @@ def collective_seconds(cluster: Cluster, kind: str, nbytes: np.ndarray, q_levels
         elif kind in ("all_gather", "reduce_scatter"):
             total = total + (ql - 1.0) * latency_share * lv.move_latency + frac * remaining / lv.move_bandwidth
         elif kind == "all_to_all":
-            total = total + (ql - 1.0) * latency_share * lv.move_latency + frac * nbytes / lv.move_bandwidth
+            total = total + (ql - 1.0) * latency_share * lv.a2a_latency + frac * nbytes / lv.a2a_bandwidth
         else:
             raise ValueError(f"unknown collective {kind!r}")
         remaining = remaining / ql

@@ -83,7 +83,7 @@ _DEVICE_FIELDS = {"name": str, "peak_flops": float, "memory_bytes": float, "memo
                   "pool_bandwidth": float, "elementwise_bandwidth": float, "redistribute_overhead": float,
                   "all_to_all_by_gather": bool}
 _LEVEL_FIELDS = {"name": str, "fanout": int, "bandwidth": float, "latency": float, "gather_bandwidth": float,
-                 "gather_latency": float}
+                 "gather_latency": float, "all_to_all_bandwidth": float, "all_to_all_latency": float}
 
 
 def _fields(where: str, raw: Any, spec: dict[str, type], required: tuple[str, ...]) -> dict[str, Any]:
@@ -198,5 +198,8 @@ def cluster_to_dict(cluster: Cluster) -> dict:
                        **({"all_to_all_by_gather": True} if d.all_to_all_by_gather else {})},
             "levels": [{"name": lv.name, "fanout": lv.fanout, "bandwidth": lv.bandwidth, "latency": lv.latency,
                         **({"gather_bandwidth": lv.gather_bandwidth} if lv.gather_bandwidth is not None else {}),
-                        **({"gather_latency": lv.gather_latency} if lv.gather_latency is not None else {})}
+                        **({"gather_latency": lv.gather_latency} if lv.gather_latency is not None else {}),
+                        **({"all_to_all_bandwidth": lv.all_to_all_bandwidth}
+                           if lv.all_to_all_bandwidth is not None else {}),
+                        **({"all_to_all_latency": lv.all_to_all_latency} if lv.all_to_all_latency is not None else {})}
                        for lv in cluster.levels]}

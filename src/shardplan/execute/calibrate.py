@@ -75,7 +75,9 @@ Run as N ranks (torchrun, gloo), so that what is measured is what a run of N ran
   a 1 KB and a 16 MB tensor split by rows, gathered as the runtime gathers it (Shard -> Replicate),
   to ``t = (p-1) alpha_g + (p-1)/p * n / beta_g`` (``gather_latency``, ``gather_bandwidth``): on
   gloo a DTensor all-gather of two ranks costs 450 us small and 10.5 ms at 16 MB, where the
-  all-reduce's fit says 175 us and 7 ms.
+  all-reduce's fit says 175 us and 7 ms. The all-to-all that the runtime issues itself (c10d's
+  ``all_to_all_single``, the token dispatch of ``execute.experts``) is fitted the same way to a 1 KB
+  and a 16 MB buffer (``all_to_all_latency``, ``all_to_all_bandwidth``).
   Each repetition starts at a barrier and takes the slowest rank's time, with no trailing barrier.
 
 Rank 0 writes the YAML file; ``shardplan plan/run --cluster FILE`` then price plans in this
@@ -305,28 +307,36 @@ def _network_times(min_of: list | None = None, reps: int = 10) -> list:
     times = [best_time(lambda: dist.all_reduce(small), reps), best_time(lambda: dist.all_reduce(large), reps),
              # small messages are cheap to repeat and their latency is noisy on shared machines: 4x the reps
              _dtensor_all_reduce(small, 4 * reps), _dtensor_all_reduce(large, reps),
-             _dtensor_all_gather(small.numel(), 4 * reps), _dtensor_all_gather(large.numel(), reps)]
+             _dtensor_all_gather(small.numel(), 4 * reps), _dtensor_all_gather(large.numel(), reps),
+             # the all-to-all as execute.experts issues it (c10d, outside DTensor)
+             best_time(lambda: dist.all_to_all_single(torch.empty_like(small), small), 4 * reps),
+             best_time(lambda: dist.all_to_all_single(torch.empty_like(large), large), reps)]
     return times if min_of is None else [min(a, b) for a, b in zip(times, min_of)]
 
 
 NETWORK = ("process_group_all_reduce_1KB", "process_group_all_reduce_16MB", "dtensor_all_reduce_1KB",
-           "dtensor_all_reduce_16MB", "dtensor_all_gather_1KB", "dtensor_all_gather_16MB")
+           "dtensor_all_reduce_16MB", "dtensor_all_gather_1KB", "dtensor_all_gather_16MB",
+           "process_group_all_to_all_1KB", "process_group_all_to_all_16MB")
 """The collectives ``_network_times`` measures (1 KB and 16 MB, fp32)."""
 
 
-def _network_fit(times: list, p: int) -> tuple[float, float, float, float]:
-    """(alpha, beta, gather alpha, gather beta) from ``_network_times``: the all-reduce fitted to
-    ``2 (p-1) alpha + 2 (p-1)/p n / beta`` (alpha from 1 KB, beta from 16 MB), the all-gather, for the
-    one-way collectives and the moves on edges, to ``(p-1) alpha_g + (p-1)/p n / beta_g``."""
+def _network_fit(times: list, p: int) -> tuple[float, float, float, float, float, float]:
+    """(alpha, beta, gather alpha, gather beta, all-to-all alpha, all-to-all beta) from
+    ``_network_times``: the all-reduce fitted to ``2 (p-1) alpha + 2 (p-1)/p n / beta`` (alpha from
+    1 KB, beta from 16 MB), the all-gather, for the one-way collectives and the moves on edges, to
+    ``(p-1) alpha_g + (p-1)/p n / beta_g``, and the all-to-all (``n``: each rank's whole buffer) to
+    ``(p-1) alpha_a + (p-1)/p n / beta_a``, as ``cluster.model.collective_seconds`` prices them."""
     if p < 2:
-        return 0.0, float("inf"), 0.0, float("inf")
-    _, _, t_small, t_large, g_small, g_large = times
+        return 0.0, float("inf"), 0.0, float("inf"), 0.0, float("inf")
+    _, _, t_small, t_large, g_small, g_large, a_small, a_large = times
     nbytes = LARGE_MESSAGE * 4
     alpha = t_small / (2.0 * (p - 1))
     beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
     gather_alpha = g_small / (p - 1)
     gather_beta = (p - 1) / p * nbytes / max(g_large - (p - 1) * gather_alpha, 1e-9)
-    return alpha, beta, gather_alpha, gather_beta
+    a2a_alpha = a_small / (p - 1)
+    a2a_beta = (p - 1) / p * nbytes / max(a_large - (p - 1) * a2a_alpha, 1e-9)
+    return alpha, beta, gather_alpha, gather_beta, a2a_alpha, a2a_beta
 
 
 def _compute_rates(reps: int, n: int, min_of: list | None = None) -> list:
@@ -374,7 +384,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
         tp_step, tp_graph, _ = build_probe(p, COMPUTE_PROBE, "tensor_parallel")
         typical_rounds = _typical_rounds(tp_step, compute_step, reps)
     net = _network_times(min_of=net, reps=reps) if p > 1 else None
-    alpha, beta, gather_alpha, gather_beta = _network_fit(net, p)
+    alpha, beta, gather_alpha, gather_beta, a2a_alpha, a2a_beta = _network_fit(net, p)
     # the slowest rank decides a step: take the minimum rate over ranks
     rates = torch.tensor(_compute_rates(reps, n, min_of=local_rates))
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
@@ -424,6 +434,7 @@ def measure(reps: int = 10, n: int = 512) -> dict:
          "pool_bandwidth": pool_bw, "elementwise_bandwidth": elementwise,
          "gemm_efficiency": curve, "latency": alpha, "bandwidth": beta,
          "gather_latency": gather_alpha, "gather_bandwidth": gather_beta,
+         "all_to_all_latency": a2a_alpha, "all_to_all_bandwidth": a2a_beta,
          "matmul_n": n, "op_overhead": overhead,
          "efficiency": efficiency, "probe_step_seconds": probe_seconds,
          "compute_probe_gemm_seconds": gemm_seconds, "compute_probe_memory_kernel_seconds": memory_seconds,
@@ -513,7 +524,10 @@ def to_cluster(m: dict, memory_bytes: float, name: str = "calibrated") -> dict:
                         "bandwidth": m["bandwidth"] if m["bandwidth"] != float("inf") else 1e12,
                         "latency": m["latency"],
                         **({"gather_bandwidth": m["gather_bandwidth"], "gather_latency": m["gather_latency"]}
-                           if m.get("gather_bandwidth", float("inf")) != float("inf") else {})}]}
+                           if m.get("gather_bandwidth", float("inf")) != float("inf") else {}),
+                        **({"all_to_all_bandwidth": m["all_to_all_bandwidth"],
+                            "all_to_all_latency": m["all_to_all_latency"]}
+                           if m.get("all_to_all_bandwidth", float("inf")) != float("inf") else {})}]}
 
 
 def main(argv=None) -> None:

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
-         "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all", "broadcast_": "broadcast"}
+         "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all",
+         "broadcast_": "broadcast"}
 """aten collectives (functional ones, as DTensor issues them, and c10d's in-place ones, as the
 gradient buckets are reduced and inputs are broadcast) by the kind the cost model prices
 (``cluster.model.collective_seconds``; a broadcast is listed, not priced)."""
@@ -131,7 +132,7 @@ class CollectiveRecorder(TorchDispatchMode):
             return out
         kind = KINDS.get(name)
         if kind is not None:
-            first = args[0]
+            first = args[1] if name == "alltoall_base_" else args[0]  # (output, input, ...): the input
             tensors = [first] if isinstance(first, torch.Tensor) else [t for t in first if isinstance(t, torch.Tensor)]
             ranks = _group_size(name, args)
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
