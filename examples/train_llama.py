@@ -1,6 +1,6 @@
 """Plan a model in Python and train it with the plan: the front doors end to end.
 
-    torchrun --nproc-per-node 2 examples/train_llama.py        # 2 CPU ranks (gloo)
+    torchrun --nproc-per-node 2 examples/train_llama.py        # 2 CPU ranks (gloo), or 2 GPUs (NCCL)
 
 Every rank builds the same model (a small Llama with random weights, from its transformers config)
 and the same batch, captures the model's graph (``shardplan.capture``), finds the fastest plan for
@@ -20,22 +20,26 @@ from shardplan.cluster import get_cluster
 from shardplan.cost.analytic import AnalyticCostModel
 from shardplan.cost.tables import build_tables
 from shardplan.execute.apply import choose_mesh
+from shardplan.execute.worker import rank_device
 from shardplan.plan import Plan
 from shardplan.search import solve
 
 
 def main() -> None:
-    dist.init_process_group("gloo")  # CPU ranks: NCCL on GPUs is not wired here (see the README)
+    device = rank_device()  # this rank's GPU (LOCAL_RANK) where torch sees GPUs, else the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     ranks, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)  # the same weights and batch on every rank
-    module, batch = build("llama", batch=8, seq=64)  # or your own nn.Module and an example batch
+    module, batch = build("llama", batch=8, seq=64, device=device)  # or your own nn.Module and a batch
 
     with torch.no_grad():
         single = module(**batch).logits.pow(2).mean().item()  # the first step's loss on one device
     graph = shardplan.capture(module, (), batch, name="llama")
     tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=ranks)), ranks)
     plan = Plan.from_choice(tables, solve(tables).choice)
-    mesh = init_device_mesh("cpu", choose_mesh(graph, plan))
+    mesh = init_device_mesh(device.type, choose_mesh(graph, plan))
     parallel = shardplan.apply(module, plan, mesh, graph=graph)
     if rank == 0:
         split = {op.name: {d: f for d, f in op.split if f > 1} for op in plan.ops if op.devices > 1}
