@@ -13,8 +13,9 @@ ways to split the experts, which the search may mix:
 * ``experts_a2a`` (split over mesh axes B): **all-to-all dispatch** (GShard, Lepikhin et al. 2021;
   DeepSpeed-MoE). The input and output are read as ``(batch x experts_a2a, seq, features)``: each
   rank of B holds its own share of the tokens, sends each (token, choice) row to the rank holding
-  that expert and gets the expert's output back, two all-to-alls forward and two backward
-  (``cost.analytic`` prices them from ``top_k``; ``execute.apply`` runs them). Uniform routing
+  that expert and gets the expert's output back: forward, all-to-alls of the row counts, the rows'
+  expert ids and the rows there and back; backward, the rows' gradients both ways
+  (``cost.analytic`` prices them from ``top_k``; ``execute.experts`` runs them). Uniform routing
   moves ``top_k / |B|`` of a rank's tokens per peer, against the whole token set for a gather.
 
 Either way the experts' weights are indexed by both (``(experts, experts_a2a)`` on their leading

@@ -375,12 +375,13 @@ class AnalyticCostModel:
         sends the rest). Load imbalance (a popular expert) is not priced."""
         i, e = op.dim_index(A2A), c[:, op.dim_index("experts")]
         x = graph.tensor(op.inputs[0].tensor)
-        rows = self.tile_bytes(graph, op, configs, op.inputs[0]) / x.dtype_bytes / x.shape[-1] * op.attr("top_k", 1) / e
+        n = self.tile_bytes(graph, op, configs, op.inputs[0]) * op.attr("top_k", 1) / e
+        rows = n / (x.shape[-1] * x.dtype_bytes)
         q = self.group_levels(configs, strides, [i])
 
         def a2a(nbytes):
             return collective_seconds(self.cluster, "all_to_all", nbytes, q)
-        moves = 2.0 * a2a(rows * x.shape[-1] * x.dtype_bytes)
+        moves = 2.0 * a2a(n)
         fwd = moves + a2a(8.0 * c[:, i]) + a2a(8.0 * rows)
         on = c[:, i] > 1
         return np.where(on, fwd + moves, 0.0), np.where(on, fwd, 0.0)

@@ -332,11 +332,11 @@ def _network_fit(times: list, p: int) -> tuple[float, float, float, float, float
     nbytes = LARGE_MESSAGE * 4
     alpha = t_small / (2.0 * (p - 1))
     beta = 2.0 * (p - 1) / p * nbytes / max(t_large - 2.0 * (p - 1) * alpha, 1e-9)
-    gather_alpha = g_small / (p - 1)
-    gather_beta = (p - 1) / p * nbytes / max(g_large - (p - 1) * gather_alpha, 1e-9)
-    a2a_alpha = a_small / (p - 1)
-    a2a_beta = (p - 1) / p * nbytes / max(a_large - (p - 1) * a2a_alpha, 1e-9)
-    return alpha, beta, gather_alpha, gather_beta, a2a_alpha, a2a_beta
+
+    def one_way(small: float, large: float) -> tuple[float, float]:  # (p-1) alpha + (p-1)/p n / beta
+        latency = small / (p - 1)
+        return latency, (p - 1) / p * nbytes / max(large - (p - 1) * latency, 1e-9)
+    return (alpha, beta) + one_way(g_small, g_large) + one_way(a_small, a_large)
 
 
 def _compute_rates(reps: int, n: int, min_of: list | None = None) -> list:
