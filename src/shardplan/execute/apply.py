@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from shardplan.cluster.mesh import MeshError, OpMesh
 from shardplan.cost.analytic import A2A, GRAD_BUCKET_BYTES
+from shardplan.execute.exchange import move
 from shardplan.execute.gradients import reduce_gradients
 from shardplan.execute.joins import PlannedJoins, graph_joins, tag
 from shardplan.execute.local import compute_locally, local_roles, run_locally
@@ -178,7 +179,7 @@ def _to_layout(x, mesh: DeviceMesh, target):
         key = (id(x), tuple(target))
         if moved is not None and key in moved:
             return moved[key][1]
-        y = x.redistribute(mesh, target)
+        y = move(x, mesh, target)
         if moved is not None:
             moved[key] = (x, y)  # holding x keeps its id from being reused during the forward
         x = y
@@ -367,7 +368,7 @@ class _GradAt(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.placements:
-            grad = grad.redistribute(ctx.mesh, ctx.placements)
+            grad = move(grad, ctx.mesh, ctx.placements)
         return grad
 
 
@@ -464,7 +465,7 @@ def _placed_output(mesh, out_shape, target, out):
             want = tuple(_view_placements(shape, tuple(out.shape), list(want), tuple(mesh.shape)))
             shape = tuple(out.shape)
         if tuple(out.shape) == shape:
-            out = out.redistribute(mesh, want) if tuple(out.placements) != want else out
+            out = move(out, mesh, want) if tuple(out.placements) != want else out
         elif any(p.is_partial() for p in out.placements):  # reduce partial sums at the op, as planned
             out = out.redistribute(mesh, [Replicate() if p.is_partial() else p for p in out.placements])
         if mesh.ndim > 1 and out.requires_grad:

@@ -30,10 +30,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 KINDS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
          "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all",
-         "broadcast_": "broadcast"}
+         "broadcast_": "broadcast", "shard_dim_alltoall": "all_to_all"}
 """aten collectives (functional ones, as DTensor issues them, and c10d's in-place ones, as the
 gradient buckets are reduced and inputs are broadcast) by the kind the cost model prices
-(``cluster.model.collective_seconds``; a broadcast is listed, not priced)."""
+(``cluster.model.collective_seconds``; a broadcast is listed, not priced). ``shard_dim_alltoall`` is
+DTensor's all-to-all of one mesh axis (issued where the runtime has one, ``dry_run``'s ``all_to_all``)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,11 @@ class Collective:
     nbytes: int
     ranks: int
     phase: str
+    source: str = ""
+    """"redistribution": issued by a DTensor redistribution (a planned move, a partial sum reduced,
+    either way); "exchange": by a nested move's exchange (``execute.exchange``; the bytes its
+    busiest rank receives are in ``DryRun.exchanges``); "": anything else (gradient buckets, the
+    experts' token all-to-alls, input broadcasts)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,9 @@ class DryRun:
     """Bytes rank 0's redistributions copied locally in the step (concatenations, cut-out copies)."""
     seconds: float
     """Wall time of the apply and the step here (fake tensors: host work only, no arithmetic)."""
+    exchanges: tuple = ()
+    """The step's nested moves made by one exchange (``execute.exchange.Move``: the bytes the busiest
+    rank receives, which rank 0's ``all_to_all`` records, its sends, do not say)."""
 
     def summary(self) -> dict:
         """{kind: {"count", "bytes"}} over the step, kinds in order of first use."""
@@ -75,6 +84,8 @@ class DryRun:
     def to_dict(self) -> dict:
         return {"devices": self.devices, "mesh": list(self.mesh), "seconds": self.seconds,
                 "collectives": self.summary(), "redistribution_copy_bytes": self.copy_bytes,
+                "exchanges": {"count": len(self.exchanges),
+                              "busiest_rank_bytes": sum(m.busiest_bytes for m in self.exchanges)},
                 "by_phase": {p: sum(c.phase == p for c in self.collectives)
                              for p in ("forward", "backward", "gradients")}}
 
@@ -86,6 +97,8 @@ def _group_size(name: str, args) -> int:
         return int(args[1] if name == "all_gather_into_tensor" else args[2])
     if name in ("all_reduce", "all_to_all_single"):
         return _resolve_process_group(args[-1]).size()
+    if name == "shard_dim_alltoall":
+        return _resolve_process_group(args[3]).size()
     for a in args:  # c10d's in-place ops carry the process group, boxed as a script object
         if isinstance(a, dist.ProcessGroup):
             return int(a.size())
@@ -99,6 +112,19 @@ def _group_size(name: str, args) -> int:
 
 COPIES = frozenset({"cat", "clone", "copy_", "contiguous"})
 """aten calls that copy data; counted when a redistribution makes them (``CollectiveRecorder``)."""
+
+
+def _in_exchange() -> bool:
+    """Whether the current call comes from an exchange (``execute.exchange.Route.run``)."""
+    from shardplan.execute.exchange import Route
+
+    code = Route.run.__code__
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _in_redistribution() -> bool:
@@ -138,7 +164,8 @@ class CollectiveRecorder(TorchDispatchMode):
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             if kind == "all_gather":
                 nbytes *= ranks
-            self.seen.append(Collective(kind, int(nbytes), int(ranks), self.phase))
+            source = "exchange" if _in_exchange() else "redistribution" if _in_redistribution() else ""
+            self.seen.append(Collective(kind, int(nbytes), int(ranks), self.phase, source))
         return func(*args, **(kwargs or {}))
 
 
@@ -176,20 +203,43 @@ def _fake_safe_kernels():
         yield
 
 
-def dry_run(model: str, config: str, batch: int, seq: int, plan, graph=None) -> DryRun:
+@contextlib.contextmanager
+def _with_all_to_all(on: bool):
+    """DTensor changes a split dim on one mesh axis by an all-to-all, except on a CPU mesh, where it
+    all-gathers and cuts (gloo had no all-to-all). A dry run's mesh is a CPU mesh, so for a plan
+    priced for a runtime with an all-to-all (``Device.all_to_all_by_gather`` false: NCCL) the
+    all-to-all is issued as on that runtime."""
+    if not on:
+        yield
+        return
+    from unittest import mock
+
+    import torch.distributed.tensor.placement_types as placement_types
+    from torch.distributed._functional_collectives import _group_or_group_name, _resolve_group
+
+    def alltoall(input, gather_dim, shard_dim, mesh, mesh_dim):
+        group = _group_or_group_name(_resolve_group((mesh, mesh_dim)))
+        return torch.ops._dtensor.shard_dim_alltoall(input, gather_dim, shard_dim, group)
+
+    with mock.patch.object(placement_types, "shard_dim_alltoall", alltoall):
+        yield
+
+
+def dry_run(model: str, config: str, batch: int, seq: int, plan, graph=None, all_to_all: bool = False) -> DryRun:
     """Apply ``plan`` to the built-in or Hugging Face ``model`` (as ``shardplan run`` builds it) on a
     fake process group of ``plan.devices`` ranks and run one training step in fake tensors; returns
     the step's collectives. A plan the runtime cannot run raises the runtime's error. ``graph``: the
-    model's capture (``execute.launch.capture_model``) when the caller has it already."""
+    model's capture (``execute.launch.capture_model``) when the caller has it already. ``all_to_all``:
+    the runtime priced has an all-to-all (``_with_all_to_all``)."""
     from shardplan.capture.models import build, parse_config
     from shardplan.execute.launch import capture_model
 
     graph = graph if graph is not None else capture_model(model, config, batch, seq)
     size = parse_config(config)
-    return dry_run_module(lambda: build(model, batch=batch, seq=seq, **size), graph, plan)
+    return dry_run_module(lambda: build(model, batch=batch, seq=seq, **size), graph, plan, all_to_all)
 
 
-def dry_run_module(make, graph, plan) -> DryRun:
+def dry_run_module(make, graph, plan, all_to_all: bool = False) -> DryRun:
     """:func:`dry_run` of any model: ``make()`` returns ``(module, forward kwargs)`` and is called
     under ``FakeTensorMode`` (so its weights and inputs are fake); ``graph`` is the module's capture,
     which ``plan`` was made for."""
@@ -197,12 +247,13 @@ def dry_run_module(make, graph, plan) -> DryRun:
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardplan.execute.apply import apply, choose_mesh
+    from shardplan.execute.exchange import watch
     from shardplan.execute.worker import _loss
 
     t0 = time.perf_counter()
     mesh_shape = choose_mesh(graph, plan)
     recorder = CollectiveRecorder()
-    with fake_world(plan.devices), _fake_safe_kernels():
+    with fake_world(plan.devices), _fake_safe_kernels(), _with_all_to_all(all_to_all), watch() as moves:
         mesh = init_device_mesh("cpu", mesh_shape)  # outside the fake mode: the mesh's rank table is real
         with FakeTensorMode(allow_non_fake_inputs=True):
             torch.manual_seed(0)
@@ -217,4 +268,4 @@ def dry_run_module(make, graph, plan) -> DryRun:
                     recorder.phase = "gradients"
                     pm.reduce_gradients()
     return DryRun(plan.devices, tuple(mesh_shape), tuple(recorder.seen), recorder.copy_bytes,
-                  time.perf_counter() - t0)
+                  time.perf_counter() - t0, tuple(moves))

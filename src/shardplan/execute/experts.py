@@ -26,7 +26,6 @@ mesh order, as DTensor shards one tensor axis over several mesh axes).
 
 from __future__ import annotations
 
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardplan.execute.apply import ApplyError
+from shardplan.execute.exchange import mesh_group
 
 
 def split_experts(experts: nn.Module, fqn: str, weight, mesh: DeviceMesh, a2a_axes: tuple[int, ...] = ()) -> None:
@@ -130,7 +130,7 @@ def _routes(mesh: DeviceMesh, sharding: tuple[int, ...], a2a_axes: tuple[int, ..
             b //= s
         return out
 
-    group = _group(mesh, a2a_axes)
+    group = mesh_group(mesh, a2a_axes)
     dest = []
     for x in range(total):
         owner = coordinate(x // count)
@@ -140,33 +140,6 @@ def _routes(mesh: DeviceMesh, sharding: tuple[int, ...], a2a_axes: tuple[int, ..
         rank = int(mesh.mesh[tuple(owner.get(a, me[a]) for a in range(len(shape)))])
         dest.append(dist.get_group_rank(group, rank))
     return group, tuple(dest), dist.get_world_size(group)
-
-
-def _group(mesh: DeviceMesh, axes: tuple[int, ...]):
-    """This rank's process group over mesh ``axes``: the mesh's own for one axis; for several, made
-    once per mesh (every MoE block of a model shares it) with ``new_subgroups_by_enumeration``."""
-    if len(axes) == 1:
-        return mesh.get_group(axes[0])
-    made = mesh.__dict__.setdefault("_shardplan_groups", {})
-    if axes not in made:
-        shape = tuple(mesh.mesh.shape)
-        others = [a for a in range(len(shape)) if a not in axes]
-        lists = []
-        for fixed in itertools.product(*(range(shape[a]) for a in others)):
-            at = dict(zip(others, fixed))
-            lists.append([int(mesh.mesh[tuple(at.get(a, c) for a, c in enumerate(cs))])
-                          for cs in _coords(shape, axes)])
-        made[axes], _ = dist.new_subgroups_by_enumeration(lists)
-    return made[axes]
-
-
-def _coords(shape: tuple[int, ...], axes: tuple[int, ...]):
-    """Coordinates over ``axes`` (every other axis 0), in row-major order."""
-    for cs in itertools.product(*(range(shape[a]) for a in axes)):
-        full = [0] * len(shape)
-        for a, c in zip(axes, cs):
-            full[a] = c
-        yield tuple(full)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -27,6 +27,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
+from shardplan.execute.exchange import move
+
 SOURCE = "_shardplan_source"
 """Attribute of a tensor, set during a forward: the graph tensor its value comes from."""
 
@@ -111,7 +113,7 @@ class PlannedJoins(TorchFunctionMode):
         if not isinstance(a, DTensor) or getattr(a, SOURCE, None) is None:
             return a
         want = tuple(input_placements(tuple(a.shape), tuple(out_shape), out_placements))
-        return a if tuple(a.placements) == want else a.redistribute(self.mesh, want)
+        return a if tuple(a.placements) == want else move(a, self.mesh, want)
 
 
 def graph_joins(graph, opmeshes, mesh_shape, placements) -> dict:

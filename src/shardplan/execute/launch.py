@@ -47,8 +47,7 @@ def capture_model(model: str, config: str, batch: int, seq: int):
     (shapes are all the graph needs: no weight memory, however large the model)."""
     if model not in RUNNABLE:
         raise ApplyError(f"shardplan run knows models {', '.join(RUNNABLE)}; got {model!r}")
-    with torch.device("meta"):
-        module, kwargs = build(model, batch=batch, seq=seq, **parse_config(config))
+    module, kwargs = build(model, batch=batch, seq=seq, device="meta", **parse_config(config))
     return capture(module, (), kwargs, name=model)
 
 

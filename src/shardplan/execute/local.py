@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardplan.cluster.mesh import OpMesh
+from shardplan.execute.exchange import move
 from shardplan.ir.graph import Op
 
 
@@ -37,7 +38,7 @@ def run_locally(sub: nn.Module, mesh: DeviceMesh, in_pl, batch_in: int = 0, ep_a
         if not isinstance(x, DTensor):
             return forward(x, *rest)
         target = [Shard(batch_in) if isinstance(p, Shard) else Replicate() for p in in_pl]
-        x = x.redistribute(mesh, target) if tuple(x.placements) != tuple(target) else x
+        x = move(x, mesh, target) if tuple(x.placements) != tuple(target) else x
 
         def grad_pl(w):
             # a weight sharded along a mesh axis (experts) keeps its gradient sharded there; one
@@ -147,7 +148,7 @@ def compute_locally(sub: nn.Module, mesh: DeviceMesh, roles: tuple) -> None:
         want = [p if not isinstance(p, Partial) else Replicate() for p in x_grad]
         want = [Replicate() if r is not None and r[0] == "out" else w for r, w in zip(roles, want)]
         if tuple(x.placements) != tuple(want):
-            x = x.redistribute(mesh, want)
+            x = move(x, mesh, want)
         weights = {}
         for name, w in sub.named_parameters(recurse=False):
             if not isinstance(w, DTensor):

@@ -32,6 +32,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
+from shardplan.execute.exchange import move
+
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
 
@@ -101,7 +103,7 @@ def local_matmul(a: DTensor, b: DTensor) -> DTensor:
     for t, left in ((a, True), (b, False)):
         want, grad = _operand_placements(roles, t, nout, left)
         if tuple(t.placements) != tuple(want):
-            t = t.redistribute(mesh, want)
+            t = move(t, mesh, want)
         parts.append(t.to_local(grad_placements=grad))
     out_local = torch.matmul(*parts)
     out_pl = []

@@ -85,7 +85,7 @@ def _plan(args: argparse.Namespace) -> int:
 
         step = out["predicted_step_seconds"] = step_seconds(model, tables, solution.choice)
     if args.verify:
-        out["verified"] = runtime.verify(args, graph, plan).to_dict()
+        out["verified"] = runtime.verify(args, graph, plan, cluster).to_dict()
     if _write_json(args, out):
         return 0
     _print(plan, graph, details, solution, limit, tables)

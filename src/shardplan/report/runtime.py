@@ -12,9 +12,10 @@ from shardplan.report.common import UsageError, cost_model as _cost_model, posit
 from shardplan.report.common import write_json as _write_json
 
 
-def verify(args: argparse.Namespace, graph, plan):
+def verify(args: argparse.Namespace, graph, plan, cluster=None):
     """``plan --verify``: the plan applied to the --hf/--module model and stepped on a fake process
-    group (``execute.dryrun``); a plan the runtime cannot run is refused with the runtime's reason."""
+    group (``execute.dryrun``), with the all-to-alls of ``cluster``'s runtime; a plan the runtime
+    cannot run is refused with the runtime's reason."""
     from shardplan.capture.models import load_hf, load_module, parse_config
     from shardplan.execute.apply import ApplyError, check, choose_mesh
     from shardplan.execute.dryrun import dry_run_module
@@ -30,7 +31,13 @@ def verify(args: argparse.Namespace, graph, plan):
         check(graph, plan, choose_mesh(graph, plan))
     except ApplyError as exc:
         raise UsageError(f"the plan cannot be applied: {exc}") from None
-    return _refused_if_it_fails(lambda: dry_run_module(make, graph, plan), "the plan", plan.devices)
+    return _refused_if_it_fails(lambda: dry_run_module(make, graph, plan, _has_all_to_all(cluster)), "the plan",
+                                plan.devices)
+
+
+def _has_all_to_all(cluster) -> bool:
+    """Whether the plan's runtime changes a split dim by all-to-all (so a dry run issues them)."""
+    return cluster is not None and not cluster.device.all_to_all_by_gather
 
 
 def _any_pipeline(files) -> bool:
@@ -178,8 +185,13 @@ def human_bytes(nbytes: float) -> str:
 
 def describe_collectives(dry: dict) -> str:
     """A dry run's collectives (``DryRun.to_dict()``) in words: "28 all_reduce (14.7 MB), ..."."""
-    return ", ".join(f"{c['count']} {k} ({human_bytes(c['bytes'])})" for k, c in dry["collectives"].items()) or \
+    text = ", ".join(f"{c['count']} {k} ({human_bytes(c['bytes'])})" for k, c in dry["collectives"].items()) or \
         "no collectives"
+    ex = dry.get("exchanges") or {}
+    if ex.get("count"):
+        text += (f"; {ex['count']} of its moves of dims split over several mesh axes are one exchange each, "
+                 f"{human_bytes(ex['busiest_rank_bytes'])} into the busiest rank")
+    return text
 
 
 def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: int) -> int:
@@ -207,7 +219,8 @@ def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: i
                                       graph)
         except (ApplyError, PlanError, ValueError) as exc:
             raise UsageError(f"{label}: {exc}" if f else str(exc)) from None
-        dr = _refused_if_it_fails(lambda: dry_run(model_name, args.hf_config, args.batch, args.seq, plan, graph),
+        dr = _refused_if_it_fails(lambda: dry_run(model_name, args.hf_config, args.batch, args.seq, plan, graph,
+                                                  _has_all_to_all(cluster)),
                                   label, plan.devices)
         records.append({"model": model_name, "devices": plan.devices, "plan_file": f,
                         "cluster": cluster.name if cluster else None, "cost_model": cost_model.name,
