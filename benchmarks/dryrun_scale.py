@@ -17,7 +17,6 @@ import argparse
 import math
 import time
 
-import torch
 
 from shardplan.capture import capture
 from shardplan.capture.models import build, parse_config
@@ -47,8 +46,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for devices in (int(d) for d in args.devices.split(",")):
         batch = devices
-        with torch.device("meta"):
-            module, kwargs = build("llama", batch=batch, seq=args.seq, **parse_config(config))
+        module, kwargs = build("llama", batch=batch, seq=args.seq, device="meta", **parse_config(config))
         graph = capture(module, (), kwargs, name="llama")
         model = AnalyticCostModel(get_cluster("dgx-a100", devices=devices), optimizer=RUN_OPTIMIZER)
         t0 = time.perf_counter()
@@ -57,7 +55,8 @@ def main() -> None:
         search = time.perf_counter() - t0
         mesh = choose_mesh(graph, plan)
         t0 = time.perf_counter()
-        run = dry_run("llama", config, batch, args.seq, plan)
+        run = dry_run("llama", config, batch, args.seq, plan, graph,
+                      all_to_all=not model.cluster.device.all_to_all_by_gather)
         seconds = time.perf_counter() - t0
         comms = ", ".join(f"{v['count']} {k} ({human_bytes(v['bytes'])})" for k, v in run.summary().items())
         assert math.prod(mesh) == devices

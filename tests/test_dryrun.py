@@ -27,8 +27,7 @@ LLAMA = "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_
 def _tables(name, config, devices, batch, seq):
     from shardplan.capture.models import parse_config
 
-    with torch.device("meta"):
-        module, kwargs = build(name, batch=batch, seq=seq, **parse_config(config))
+    module, kwargs = build(name, batch=batch, seq=seq, device="meta", **parse_config(config))
     graph = capture(module, (), kwargs, name=name)
     model = AnalyticCostModel(get_cluster("dgx-a100", devices=devices))
     return graph, model, build_tables(graph, model, devices)
