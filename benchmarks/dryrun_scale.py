@@ -17,7 +17,6 @@ import argparse
 import math
 import time
 
-
 from shardplan.capture import capture
 from shardplan.capture.models import build, parse_config
 from shardplan.cluster import get_cluster

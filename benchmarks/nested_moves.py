@@ -20,8 +20,6 @@ import contextlib
 import time
 from unittest import mock
 
-import numpy as np
-
 from shardplan.cluster import get_cluster
 from shardplan.cluster.model import collective_seconds
 from shardplan.cost.analytic import AnalyticCostModel
@@ -37,16 +35,6 @@ MIXTRAL_8X7B = ("hidden_size=4096,intermediate_size=14336,num_hidden_layers=2,nu
                 "max_position_embeddings=4096")
 
 
-def _levels(cluster, ranks: int) -> np.ndarray:
-    """Members per network level of a group of ``ranks`` consecutive devices."""
-    out, left = [], ranks
-    for lv in cluster.levels:
-        here = min(left, lv.fanout)
-        out.append(here)
-        left = max(1, left // here)
-    return np.array(out, dtype=np.float64)
-
-
 def price(run, cluster, loss_bytes: int) -> tuple[int, float, float]:
     """(collectives, bytes into the busiest rank or rank 0, seconds) of the step's moves."""
     count, nbytes, seconds = 0, 0.0, 0.0
@@ -54,13 +42,12 @@ def price(run, cluster, loss_bytes: int) -> tuple[int, float, float]:
         if c.source != "redistribution" or c.nbytes >= loss_bytes // 4:  # not a move, or the logits' gathers
             continue
         count += 1
-        q = _levels(cluster, c.ranks)
+        q = cluster.per_level(c.ranks, 1)  # members per network level of consecutive ranks
         nbytes += c.nbytes * (q.prod() - 1) / q.prod()
         seconds += float(collective_seconds(cluster, c.kind, c.nbytes, q))
     for m in run.exchanges:
         count += 1
-        q = _levels(cluster, m.group)
-        lv = cluster.levels[int(np.argmax(q > 1))]
+        lv = cluster.levels[int(cluster.level_of_span(m.group))]
         nbytes += m.busiest_bytes
         seconds += (m.group - 1) * lv.a2a_latency + m.busiest_bytes / lv.a2a_bandwidth
     return count, nbytes, seconds

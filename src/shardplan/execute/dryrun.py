@@ -114,28 +114,27 @@ COPIES = frozenset({"cat", "clone", "copy_", "contiguous"})
 """aten calls that copy data; counted when a redistribution makes them (``CollectiveRecorder``)."""
 
 
+def _called_from(found) -> bool:
+    """Whether a frame below the caller's caller runs a code object ``found(code)`` accepts."""
+    frame = sys._getframe(3)
+    while frame is not None:
+        if found(frame.f_code):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _in_exchange() -> bool:
     """Whether the current call comes from an exchange (``execute.exchange.Route.run``)."""
     from shardplan.execute.exchange import Route
 
-    code = Route.run.__code__
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return _called_from(lambda code: code is Route.run.__code__)
 
 
 def _in_redistribution() -> bool:
     """Whether the current call comes from DTensor's redistribution of a local tensor (its
     ``redistribute_local_tensor``, which every planned move and every propagation cut goes through)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "redistribute_local_tensor":
-            return True
-        frame = frame.f_back
-    return False
+    return _called_from(lambda code: code.co_name == "redistribute_local_tensor")
 
 
 class CollectiveRecorder(TorchDispatchMode):

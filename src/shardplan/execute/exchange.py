@@ -78,6 +78,13 @@ def involved_axes(src, dst) -> tuple[int, ...]:
 def tile(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements) -> Box:
     """The box of a tensor of ``shape`` the rank at ``coordinate`` holds under ``placements``, as
     DTensor lays it (nested splits, uneven ones included)."""
+    return _tile(tuple(shape), tuple(mesh_shape), tuple(coordinate), tuple(placements))
+
+
+@functools.lru_cache(maxsize=65536)
+def _tile(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: tuple) -> Box:
+    """:func:`tile`, memoized: every route and every dry run's count of what ranks lack asks for
+    the same tiles of every rank again."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
@@ -122,14 +129,14 @@ class Route:
 
     def run(self, x: torch.Tensor, group) -> torch.Tensor:
         """Exchange ``x`` (this rank's source tile) into its target tile (no autograd)."""
-        send_counts = [0 if b is None else _volume(b) for b in self.send]
-        recv_counts = [0 if b is None else _volume(b) for b in self.recv]
-        parts = [x[_within(b, self.source)].reshape(-1) for b in self.send if b is not None]
         out = x.new_empty(tuple(hi - lo for lo, hi in self.target))
         for box in self.keep:
             out[_within(box, self.target)] = x[_within(box, self.source)]
         if self.quiet:
             return out
+        send_counts = [0 if b is None else _volume(b) for b in self.send]
+        recv_counts = [0 if b is None else _volume(b) for b in self.recv]
+        parts = [x[_within(b, self.source)].reshape(-1) for b in self.send if b is not None]
         send = torch.cat(parts) if parts else x.new_empty(0)
         got = x.new_empty(sum(recv_counts))
         dist.all_to_all_single(got, send, recv_counts, send_counts, group=group)
@@ -163,7 +170,7 @@ def route(shape: tuple[int, ...], mesh_shape: tuple[int, ...], me: tuple[int, ..
     send: list[Box | None] = [None] * len(members)
     recv: list[Box | None] = [None] * len(members)
     keep = []
-    for box, who in holders.items():
+    for box in holders:
         part = _meet(box, need[i])
         if part is None:
             continue

@@ -26,7 +26,6 @@ mesh order, as DTensor shards one tensor axis over several mesh axes).
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 from torch import nn
