@@ -12,8 +12,11 @@ matching the rank order the analytic cost model prices.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
+
+import numpy as np
 
 from shardplan.ir.graph import DimKind, Op
 
@@ -54,11 +57,13 @@ class OpMesh:
         return out
 
 
-def assign(op: Op, config: tuple[int, ...], mesh: tuple[int, ...]) -> OpMesh:
-    """Mesh axes for each split dim of ``op`` under ``config``; MeshError when it does not fit."""
-    order = [i for i, d in enumerate(op.dims) if d.kind is not DimKind.BATCH]
-    order += [i for i, d in enumerate(op.dims) if d.kind is DimKind.BATCH]
-    wanted = [(op.dims[i].name, int(config[i])) for i in order if config[i] > 1]
+@functools.lru_cache(maxsize=65536)
+def _mesh_axes(batch: tuple[bool, ...], config: tuple[int, ...], mesh: tuple[int, ...]) -> tuple | None:
+    """Mesh axes of each dim (empty when unsplit), for dims whose batch flags are ``batch``; None when
+    the configuration does not fit. Non-batch dims first, each taking the innermost free axes whose
+    sizes multiply to its factor; the batch dims after them."""
+    order = [i for i, b in enumerate(batch) if not b] + [i for i, b in enumerate(batch) if b]
+    wanted = [(i, int(config[i])) for i in order if config[i] > 1]
     free = list(range(len(mesh)))[::-1]  # innermost axis first
 
     def search(k: int, free: list[int]) -> list[tuple[int, ...]] | None:
@@ -78,6 +83,76 @@ def assign(op: Op, config: tuple[int, ...], mesh: tuple[int, ...]) -> OpMesh:
 
     found = search(0, free)
     if found is None:
-        splits = ", ".join(f"{n}={f}" for n, f in wanted)
+        return None
+    out: list[tuple[int, ...]] = [()] * len(batch)
+    for (i, _), axes in zip(wanted, found):
+        out[i] = axes
+    return tuple(out)
+
+
+def assign(op: Op, config: tuple[int, ...], mesh: tuple[int, ...]) -> OpMesh:
+    """Mesh axes for each split dim of ``op`` under ``config``; MeshError when it does not fit."""
+    batch = tuple(d.kind is DimKind.BATCH for d in op.dims)
+    found = _mesh_axes(batch, tuple(int(f) for f in config), tuple(mesh))
+    if found is None:
+        wanted = [i for i, b in enumerate(batch) if not b] + [i for i, b in enumerate(batch) if b]
+        splits = ", ".join(f"{op.dims[i].name}={config[i]}" for i in wanted if config[i] > 1)
         raise MeshError(f"op {op.name!r}: split {splits} does not map onto mesh {'x'.join(map(str, mesh))}")
-    return OpMesh(op.name, tuple((name, axes) for (name, _), axes in zip(wanted, found)))
+    order = [i for i, b in enumerate(batch) if not b] + [i for i, b in enumerate(batch) if b]
+    return OpMesh(op.name, tuple((op.dims[i].name, found[i]) for i in order if config[i] > 1))
+
+
+def placed_layouts(op: Op, configs: np.ndarray, axes: tuple[tuple[str, ...], ...],
+                   mesh: tuple[int, ...]) -> np.ndarray:
+    """Where every configuration puts one operand on ``mesh``: shape ``(K, n + m)`` for a tensor of
+    ``n`` axes on ``m`` mesh axes; the first ``n`` columns are the split factors
+    (``cost.configs.operand_layouts``), the last ``m`` the tensor axis each mesh axis splits (-1:
+    replicated along it). Two configurations with equal rows leave every rank the same block."""
+    batch = tuple(d.kind is DimKind.BATCH for d in op.dims)
+    tensor_axis = [next((t for t, names in enumerate(axes) if d.name in names), -1) for d in op.dims]
+    n, m = len(axes), len(mesh)
+    out = np.empty((len(configs), n + m), dtype=np.int64)
+    for k, config in enumerate(configs):
+        found = _mesh_axes(batch, tuple(int(f) for f in config), tuple(mesh))
+        if found is None:
+            raise MeshError(f"op {op.name!r}: configuration {tuple(int(f) for f in config)} does not map onto "
+                            f"mesh {'x'.join(map(str, mesh))}")
+        row = [1] * n + [-1] * m
+        for dim, dim_axes in enumerate(found):
+            for a in dim_axes:
+                t = tensor_axis[dim]
+                row[n + a] = t
+                if t >= 0:
+                    row[t] *= mesh[a]
+        out[k] = row
+    return out
+
+
+def rank_blocks(placements: np.ndarray, mesh: tuple[int, ...], ndim: int) -> np.ndarray:
+    """Block index of every rank along every tensor axis, ``(L, p, ndim)``, for placements ``(L, m)``
+    (the tensor axis each mesh axis splits, -1 none): DTensor's order, the blocks of an axis split
+    over several mesh axes numbered with the first mesh axis outermost; ranks row-major over the mesh."""
+    coords = np.array(list(itertools.product(*[range(s) for s in mesh])), dtype=np.int64).reshape(-1, len(mesh))
+    out = np.zeros((len(placements), len(coords), ndim), dtype=np.int64)
+    for a, size in enumerate(mesh):
+        on = placements[:, a][:, None, None] == np.arange(ndim)[None, None, :]  # (L, 1, ndim)
+        out = np.where(on, out * size + coords[None, :, a:a + 1], out)
+    return out
+
+
+def same_blocks(graph, plan_ops, mesh: tuple[int, ...], reference: tuple[int, ...]) -> bool:
+    """Whether every operand of every op leaves each rank the same block on ``mesh`` as on
+    ``reference`` (``plan_ops``: one configuration tuple per op), so a move between two ops brings
+    the same bytes on both."""
+    for op, config in zip(graph.ops, plan_ops):
+        cfg = np.array([config], dtype=np.int64)
+        for operand in op.inputs + op.outputs:
+            n = len(operand.axes)
+            try:
+                here = placed_layouts(op, cfg, operand.axes, mesh)[:, n:]
+            except MeshError:
+                return False
+            there = placed_layouts(op, cfg, operand.axes, reference)[:, n:]
+            if not np.array_equal(rank_blocks(here, mesh, n), rank_blocks(there, reference, n)):
+                return False
+    return True

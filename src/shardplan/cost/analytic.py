@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardplan.cluster.model import Cluster, collective_seconds, curve_factor, gemm_factor
+from shardplan.cluster.mesh import default_mesh
 from shardplan.cost.configs import ConfigSpace, operand_layouts
 from shardplan.cost.pase import redistribution_words
 from shardplan.cost.tables import NodeCosts
@@ -123,6 +124,45 @@ def gathered_words(shape: tuple[int, ...], src_layouts: np.ndarray, dst_layouts:
     return np.where(left.any(axis=2) & new.any(axis=2), gathered - held, 0.0)
 
 
+def placed_words(shape: tuple[int, ...], mesh: tuple[int, ...], src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Elements the busiest consumer device lacks, (L_src, L_dst), when the tensor moves between
+    placed layouts (``cluster.mesh.placed_layouts``: split factors, then the tensor axis of each mesh
+    axis) on ``mesh``: exact for the blocks DTensor gives each rank.
+
+    Along one tensor axis, the blocks of a rank under the two layouts are numbered by the mesh axes
+    splitting it, first mesh axis outermost. Where the shorter list of axes is the head of the longer
+    one, every rank's two blocks nest and it holds ``len / max(f_src, f_dst)`` of what it needs;
+    otherwise some rank's two blocks are disjoint (pick its coordinates on the first differing pair
+    of axes apart), and that rank lacks its whole tile. The busiest rank lacks the whole tile when
+    any axis has such a pair, else ``prod(len / f_dst) - prod(len / max(f_src, f_dst))``.
+    ``tests/test_cost_tiles.py`` checks this against every rank's blocks."""
+    n, m = len(shape), len(mesh)
+    t = np.array(shape, dtype=np.float64)
+    fs, fd = src[:, :n].astype(np.float64), dst[:, :n].astype(np.float64)
+
+    def order(placed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(L, n, m) mesh axes splitting each tensor axis in mesh order (padded -1), and their count."""
+        pl = placed[:, n:]
+        seq = np.full((len(placed), n, m), -1, dtype=np.int64)
+        count = np.zeros((len(placed), n), dtype=np.int64)
+        for a in range(m):
+            for ax in range(n):
+                on = pl[:, a] == ax
+                seq[on, ax, count[on, ax]] = a
+                count[on, ax] += 1
+        return seq, count
+
+    s_seq, s_k = order(src)
+    d_seq, d_k = order(dst)
+    k = np.minimum(s_k[:, None, :], d_k[None, :, :])  # (Ls, Ld, n)
+    apart = np.zeros(k.shape, dtype=bool)
+    for i in range(m):
+        apart |= (i < k) & (s_seq[:, None, :, i] != d_seq[None, :, :, i])
+    needed = np.prod(t / fd, axis=1)[None, :]
+    held = np.prod(t / np.maximum(fs[:, None, :], fd[None, :, :]), axis=2)
+    return np.where(apart.any(axis=2), needed, needed - held)
+
+
 def inner_copy_words(shape: tuple[int, ...], src_layouts: np.ndarray, dst_layouts: np.ndarray) -> np.ndarray:
     """Elements a device copies locally in a move, (L_src, L_dst), besides what the network carries:
     a gather along an inner dim (some dim before it is more than 1 long on the device) arrives as
@@ -154,6 +194,10 @@ class AnalyticCostModel:
     all-reduce per gradient, each paying the whole latency. A bucketed gradient is first copied into
     its flat buffer (``grad_bucket_pack``: read and written once at memory bandwidth, after the
     backward pass; ``shardplan run`` and DDP without ``gradient_as_bucket_view`` both copy)."""
+    exact_tiles: bool = True
+    """Edges priced by the blocks each rank holds on the mesh the runtime lays the plan on
+    (``placed_words``); False: PaSE's rule, which assumes every rank's new tile overlaps its old one
+    as far as the split factors allow."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -537,18 +581,32 @@ class AnalyticCostModel:
         return 2.0 * steps * per_step  # forward and backward
 
     # -- edge costs ----------------------------------------------------------------------------------
+    def edge_mesh(self, devices: int) -> tuple[int, ...] | None:
+        """The mesh edges are priced on (``placed_words``): the mesh of ``devices``' prime factors,
+        which takes every configuration and which the runtime lays a plan on, or a coarser one with the
+        same blocks (``execute.apply.choose_mesh``); None with ``exact_tiles`` off (PaSE's rule)."""
+        return default_mesh(devices) if self.exact_tiles else None
+
     def edge_bytes(self, tensor: TensorSpec, src_layouts: np.ndarray,
-                   dst_layouts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                   dst_layouts: np.ndarray, mesh: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) bytes one device receives when a tensor moves between every pair of
-        layouts (``(L_src, L_dst)`` arrays): the rules ``edge_costs`` prices. A pair with no byte in a
-        direction is a local cut or no change there: no collective, so no sync point either."""
-        fwd = redistribution_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes
-        bwd = redistribution_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes
-        fwd = np.where((src_layouts == 1).all(axis=1)[:, None], 0.0, fwd)  # whole -> split: a local cut
-        bwd = np.where((dst_layouts == 1).all(axis=1)[None, :], 0.0, bwd)  # the gradient comes back whole
+        layouts (``(L_src, L_dst)`` arrays): the rules ``edge_costs`` prices. With ``mesh``, the layouts
+        are placed (``cluster.mesh.placed_layouts``) and the busiest device's bytes are exact
+        (``placed_words``); without, PaSE's rule of best overlap. A pair with no byte in a direction is
+        a local cut or no change there: no collective, so no sync point either."""
+        n = len(tensor.shape)
+        src, dst = src_layouts[:, :n], dst_layouts[:, :n]
+        if mesh is not None:
+            fwd = placed_words(tensor.shape, mesh, src_layouts, dst_layouts) * tensor.dtype_bytes
+            bwd = placed_words(tensor.shape, mesh, dst_layouts, src_layouts).T * tensor.dtype_bytes
+        else:
+            fwd = redistribution_words(tensor.shape, src, dst) * tensor.dtype_bytes
+            bwd = redistribution_words(tensor.shape, dst, src).T * tensor.dtype_bytes
+        fwd = np.where((src == 1).all(axis=1)[:, None], 0.0, fwd)  # whole -> split: a local cut
+        bwd = np.where((dst == 1).all(axis=1)[None, :], 0.0, bwd)  # the gradient comes back whole
         if self.cluster.device.all_to_all_by_gather:
-            fwd = np.maximum(fwd, gathered_words(tensor.shape, src_layouts, dst_layouts) * tensor.dtype_bytes)
-            bwd = np.maximum(bwd, gathered_words(tensor.shape, dst_layouts, src_layouts).T * tensor.dtype_bytes)
+            fwd = np.maximum(fwd, gathered_words(tensor.shape, src, dst) * tensor.dtype_bytes)
+            bwd = np.maximum(bwd, gathered_words(tensor.shape, dst, src).T * tensor.dtype_bytes)
         return fwd, bwd
 
     def edge_costs(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
@@ -558,7 +616,7 @@ class AnalyticCostModel:
         return self.edge_prices(graph, tensor, src_layouts, dst_layouts)[0]
 
     def edge_prices(self, graph: Graph, tensor: TensorSpec, src_layouts: np.ndarray,
-                    dst_layouts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                    dst_layouts: np.ndarray, mesh: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(seconds, sync codes) of every pair of layouts, both ``(L_src, L_dst)``; the codes say which
         directions are collectives: bit 0 (1) the forward move, bit 1 (2) the gradient's move back.
         Only a collective is a sync point of the jitter walk (``cost.step``); a cut, its copies and
@@ -575,7 +633,10 @@ class AnalyticCostModel:
         ``redistribute_overhead``, and each gather or cut along an inner dim its local copy
         (``inner_copy_words``, read and written at ``Device.kernel_bandwidth``; docs/cost_model.md,
         *Redistribution on edges*)."""
-        fwd, bwd = self.edge_bytes(tensor, src_layouts, dst_layouts)
+        fwd, bwd = self.edge_bytes(tensor, src_layouts, dst_layouts, mesh)
+        changed = (src_layouts[:, None, :] != dst_layouts[None, :, :]).any(axis=2)  # factors or blocks
+        n = len(tensor.shape)
+        src_layouts, dst_layouts = src_layouts[:, :n], dst_layouts[:, :n]
         span = np.maximum(np.prod(src_layouts, axis=1)[:, None], np.prod(dst_layouts, axis=1)[None, :])
         level = self.cluster.level_of_span(span)
         bw = np.array([lv.move_bandwidth for lv in self.cluster.levels])[level]
@@ -584,7 +645,6 @@ class AnalyticCostModel:
         # concatenations after inner gathers and copies of inner cuts, both ways: read + write each
         copies = (inner_copy_words(tensor.shape, src_layouts, dst_layouts)
                   + inner_copy_words(tensor.shape, dst_layouts, src_layouts).T) * tensor.dtype_bytes
-        changed = (src_layouts[:, None, :] != dst_layouts[None, :, :]).any(axis=2)
         seconds = (moves + 2.0 * copies / self.cluster.device.kernel_bandwidth
                    + np.where(changed, 2.0 * self.cluster.device.redistribute_overhead, 0.0))
         return seconds, (fwd > 0).astype(np.uint8) | ((bwd > 0).astype(np.uint8) << 1)

@@ -19,6 +19,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from shardplan.cluster.mesh import placed_layouts
 from shardplan.cost.configs import ConfigSpace, enumerate_configs, operand_layouts, split_limits
 from shardplan.ir.graph import Graph, GraphError, Op, TensorSpec
 
@@ -124,6 +125,14 @@ def _classes(layouts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return uniq, inverse.reshape(-1).astype(np.int64)
 
 
+def edge_layouts(op: Op, configs: np.ndarray, axes: tuple[tuple[str, ...], ...],
+                 mesh: tuple[int, ...] | None) -> np.ndarray:
+    """An operand's layout under every configuration, the key of its edge classes: its split factors
+    (``operand_layouts``), and with a ``mesh`` also the tensor axis each mesh axis splits
+    (``cluster.mesh.placed_layouts``), for models that price the blocks each rank holds."""
+    return operand_layouts(op, configs, axes) if mesh is None else placed_layouts(op, configs, axes, mesh)
+
+
 def build_tables(graph: Graph, model: CostModel, devices: int,
                  progress: Callable[[int, int], None] | None = None) -> CostTables:
     """Enumerate configurations and price every op and edge under ``model``."""
@@ -142,14 +151,16 @@ def build_tables(graph: Graph, model: CostModel, devices: int,
         for e in transfers:
             last[(e.src, e.dst)] = e  # a later transfer overwrites an earlier one, as networkx does
         transfers = list(last.values())
+    mesh = model.edge_mesh(devices) if hasattr(model, "edge_mesh") else None
     merged: dict[tuple[int, int], list] = {}
     for e in transfers:
         src_op, dst_op = graph.ops[e.src], graph.ops[e.dst]
-        s_uniq, s_cls = _classes(operand_layouts(src_op, configs[e.src], src_op.outputs[e.src_out].axes))
-        d_uniq, d_cls = _classes(operand_layouts(dst_op, configs[e.dst], dst_op.inputs[e.dst_in].axes))
+        s_uniq, s_cls = _classes(edge_layouts(src_op, configs[e.src], src_op.outputs[e.src_out].axes, mesh))
+        d_uniq, d_cls = _classes(edge_layouts(dst_op, configs[e.dst], dst_op.inputs[e.dst_in].axes, mesh))
         tensor = graph.tensor(e.tensor)
         if hasattr(model, "edge_prices"):  # seconds and which directions are collectives, in one pass
-            cost, syncs = model.edge_prices(graph, tensor, s_uniq, d_uniq)
+            cost, syncs = (model.edge_prices(graph, tensor, s_uniq, d_uniq) if mesh is None
+                           else model.edge_prices(graph, tensor, s_uniq, d_uniq, mesh=mesh))
         else:
             cost, syncs = model.edge_costs(graph, tensor, s_uniq, d_uniq), None
         merged.setdefault((e.src, e.dst), []).append((s_cls, d_cls, cost, e.tensor, syncs))

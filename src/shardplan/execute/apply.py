@@ -127,26 +127,47 @@ def factorizations(p: int, axes: int) -> list[tuple[int, ...]]:
     return [(a,) + rest for a in range(2, p) if p % a == 0 for rest in factorizations(p // a, axes - 1)]
 
 
-def choose_mesh(graph: Graph, plan: Plan) -> tuple[int, ...]:
-    """The coarsest mesh every op of the plan lays on: (p,), then two axes, three, four, then p's
-    prime factors.
+MAX_MESH_AXES = 4
+"""The most mesh axes ``choose_mesh`` lays a plan on while a coarser mesh fits it: DTensor's sharding
+propagation enumerates its strategies on every mesh axis, so its time grows as strategies ** axes
+(a linear of a 64-rank Llama plan took 50 s to plan on the 6-axis mesh of 64's primes, torch 2.13)."""
 
-    Fewer axes means fewer dims split over several mesh axes, which DTensor's rules handle less often,
-    and a faster step: DTensor's sharding propagation grows steeply with the mesh's axes (a 64-rank
-    Llama plan on the 6-axis mesh of 64's primes did not finish propagating in 90 s; its 3-axis mesh
-    steps in seconds, ``execute.dryrun``).
+
+def choose_mesh(graph: Graph, plan: Plan) -> tuple[int, ...]:
+    """The coarsest mesh the plan lays on with every rank holding the blocks it holds on the mesh of
+    p's prime factors: (p,), then two axes, three, four, then the primes' mesh itself.
+
+    The cost model prices each move by the blocks ranks hold on the primes' mesh
+    (``AnalyticCostModel.edge_mesh``), so a mesh that gives some rank another block moves other
+    bytes than priced (``cluster.mesh.same_blocks``). Fewer axes means fewer dims split over several
+    mesh axes, which DTensor's rules handle less often, and a faster step. Where only a mesh of more
+    than ``MAX_MESH_AXES`` axes gives the priced blocks, the plan goes on the coarsest mesh it fits,
+    with a warning: its moves can then bring more bytes than priced (a dry run counts them).
     """
-    from shardplan.cluster.mesh import default_mesh
+    import warnings
+
+    from shardplan.cluster.mesh import default_mesh, same_blocks
 
     check_model(graph, plan)
     p = plan.devices
-    candidates = [(p,)] + [f for axes in (2, 3, 4) for f in factorizations(p, axes)] + [default_mesh(p)]
+    primes = default_mesh(p)
+    configs = [tuple(f for _, f in op.split) for op in plan.ops]
+    candidates = [(p,)] + [f for axes in (2, 3, 4) for f in factorizations(p, axes)] + [primes]
+    fits = []
     for shape in candidates:
         try:
             plan.mesh_view(graph, shape)
-            return shape
         except (MeshError, PlanError):
             continue
+        fits.append(shape)
+        if shape == primes or same_blocks(graph, configs, shape, primes):
+            if len(shape) <= MAX_MESH_AXES or fits[0] == shape:
+                return shape
+            warnings.warn(f"plan for {plan.model!r}: only the {len(shape)}-axis mesh {'x'.join(map(str, shape))} "
+                          f"gives every rank the blocks the cost model priced, and DTensor plans its ops "
+                          f"slowly on so many axes; running on {'x'.join(map(str, fits[0]))}, where some "
+                          f"moves bring more bytes than priced", stacklevel=2)
+            return fits[0]
     raise ApplyError(f"plan for {plan.model!r} does not lay on any mesh of {p} devices")
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from shardplan.cluster.model import Cluster
 from shardplan.cost.analytic import AnalyticCostModel, update_seconds
 from shardplan.cost.step import jitter_waits
-from shardplan.cost.configs import operand_layouts
+from shardplan.cost.tables import edge_layouts
 from shardplan.ir.graph import Graph
 from shardplan.plan import Plan
 from shardplan.simulate.engine import TaskGraph
@@ -111,8 +111,10 @@ class Prepared:
         self.configs = [np.asarray(c, dtype=np.int64) for c in configs]
         self.entries = entries if entries is not None else [
             OpEntry(model, graph, op, c) for op, c in zip(graph.ops, self.configs)]
-        self.edges = edges  # cost-table edges; None: price every graph edge from the chosen rows
-        self._edge_seconds = edge_seconds  # precomputed (src, dst, seconds, label, sync) for the chosen rows
+        if edges is None and edge_seconds is None:
+            raise ValueError("Prepared needs the cost tables' edges or the plan's priced edges")
+        self.edges = edges  # cost-table edges, merged per op pair
+        self._edge_seconds = edge_seconds  # or precomputed (src, dst, seconds, label, sync) for the chosen rows
 
     def edge_list(self, choice) -> list[tuple[int, int, float, str, int]]:
         """(src, dst, seconds of both directions, label, sync code) for every transfer; the code's
@@ -120,30 +122,23 @@ class Prepared:
         (``EdgeTable.syncs``)."""
         if self._edge_seconds is not None:
             return self._edge_seconds
-        out = []
-        if self.edges is not None:  # cost-table edges, merged per op pair
-            for e in self.edges:
-                cost = float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]])
-                out.append((e.src, e.dst, cost, "+".join(e.tensors), e.sync_code(choice[e.src], choice[e.dst])))
-            return out
-        g = self.graph
-        for e in g.edges():
-            out.append((e.src, e.dst, *edge_seconds(self.model, g, e, self.configs[e.src][choice[e.src]],
-                                                    self.configs[e.dst][choice[e.dst]]), e.tensor))
-        return out
+        return [(e.src, e.dst, float(e.cost[e.src_class[choice[e.src]], e.dst_class[choice[e.dst]]]),
+                 "+".join(e.tensors), e.sync_code(choice[e.src], choice[e.dst])) for e in self.edges]
 
 
 def edge_seconds(model: AnalyticCostModel, g: Graph, e, src_config: np.ndarray,
-                 dst_config: np.ndarray) -> tuple[float, int]:
+                 dst_config: np.ndarray, devices: int | None = None) -> tuple[float, int]:
     """The analytic model's redistribution seconds (both directions) of graph edge ``e``, and its sync
-    code (bit 0: the forward move is a collective; bit 1: the backward one is)."""
+    code (bit 0: the forward move is a collective; bit 1: the backward one is); on the plan's
+    ``devices``, priced as the cost tables price it (``AnalyticCostModel.edge_mesh``)."""
     src_op, dst_op = g.ops[e.src], g.ops[e.dst]
-    s = operand_layouts(src_op, src_config[None, :], src_op.outputs[e.src_out].axes)
-    d = operand_layouts(dst_op, dst_config[None, :], dst_op.inputs[e.dst_in].axes)
+    mesh = model.edge_mesh(devices) if devices else None
+    s = edge_layouts(src_op, src_config[None, :], src_op.outputs[e.src_out].axes, mesh)
+    d = edge_layouts(dst_op, dst_config[None, :], dst_op.inputs[e.dst_in].axes, mesh)
     if np.array_equal(s, d):
         return 0.0, 0  # equal layouts move nothing (the formula's nbytes = 0 branch)
     tensor = g.tensor(e.tensor)
-    seconds, syncs = model.edge_prices(g, tensor, s, d)
+    seconds, syncs = model.edge_prices(g, tensor, s, d, mesh=mesh)
     return float(seconds[0, 0]), int(syncs[0, 0])
 
 
@@ -315,7 +310,7 @@ def prepare_plan(graph: Graph, model: AnalyticCostModel, plan: Plan) -> Prepared
         k = (e.src, e.src_out, e.dst, e.dst_in, src.tobytes(), dst.tobytes())
         sec = edge_cache.get(k)
         if sec is None:
-            sec = edge_cache[k] = edge_seconds(model, graph, e, src, dst)
+            sec = edge_cache[k] = edge_seconds(model, graph, e, src, dst, plan.devices)
         edges.append((e.src, e.dst, sec[0], e.tensor, sec[1]))
     return Prepared(graph, model, configs, entries=entries, edge_seconds=edges)
 
