@@ -1,4 +1,4 @@
-"""Edges priced by the blocks each rank holds (``cost.analytic.placed_words``), against every rank's
+"""Edges priced by the blocks each rank holds (``cost.moves.placed_words``), against every rank's
 blocks counted one by one, and the runtime's mesh giving the blocks the tables priced."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 
 from shardplan.cluster import get_cluster
 from shardplan.cluster.mesh import default_mesh, placed_layouts, same_blocks
-from shardplan.cost.analytic import AnalyticCostModel, placed_words
+from shardplan.cost.analytic import AnalyticCostModel
+from shardplan.cost.moves import placed_words
 from shardplan.cost.pase import redistribution_words
 from shardplan.cost.tables import build_tables, edge_layouts
 from shardplan.ir.builder import GraphBuilder

@@ -140,7 +140,7 @@ def _in_redistribution() -> bool:
 class CollectiveRecorder(TorchDispatchMode):
     """Records every collective dispatched while it is active, with the phase set by the caller, and
     the bytes the redistributions copy locally (``copy_bytes``: the concatenations after inner
-    gathers and the copies of inner cuts, which ``cost.analytic.inner_copy_words`` prices)."""
+    gathers and the copies of inner cuts, which ``cost.moves.inner_copy_words`` prices)."""
 
     def __init__(self):
         super().__init__()
