@@ -94,12 +94,11 @@ def assign(op: Op, config: tuple[int, ...], mesh: tuple[int, ...]) -> OpMesh:
     """Mesh axes for each split dim of ``op`` under ``config``; MeshError when it does not fit."""
     batch = tuple(d.kind is DimKind.BATCH for d in op.dims)
     found = _mesh_axes(batch, tuple(int(f) for f in config), tuple(mesh))
+    split = [i for b in (False, True) for i, d in enumerate(batch) if d is b and config[i] > 1]  # axes order
     if found is None:
-        wanted = [i for i, b in enumerate(batch) if not b] + [i for i, b in enumerate(batch) if b]
-        splits = ", ".join(f"{op.dims[i].name}={config[i]}" for i in wanted if config[i] > 1)
+        splits = ", ".join(f"{op.dims[i].name}={config[i]}" for i in split)
         raise MeshError(f"op {op.name!r}: split {splits} does not map onto mesh {'x'.join(map(str, mesh))}")
-    order = [i for i, b in enumerate(batch) if not b] + [i for i, b in enumerate(batch) if b]
-    return OpMesh(op.name, tuple((op.dims[i].name, found[i]) for i in order if config[i] > 1))
+    return OpMesh(op.name, tuple((op.dims[i].name, found[i]) for i in split))
 
 
 def placed_layouts(op: Op, configs: np.ndarray, axes: tuple[tuple[str, ...], ...],
