@@ -271,3 +271,31 @@ def test_nested_moves_of_the_mixtral_plan_are_one_exchange_each(monkeypatch):
         theirs = dry_run("mixtral", MIXTRAL_8X7B, 8, 2048, plan, graph, all_to_all=True)
     assert not theirs.exchanges
     assert bytes_in(ours) < 0.6 * bytes_in(theirs)
+
+
+def test_grouped_query_kv_move_as_the_projections_output_priced():
+    """Data parallel but both attention matmuls planned split by heads, on a Llama with 2 kv heads for
+    4 heads: each layer's forward moves q, k, v and the attention output once, each as the graph
+    tensor the plan's edge prices (k and v at the kv projections' size: they move before
+    ``repeat_kv`` expands them, not after, which moved twice the bytes), and the logits once for the
+    loss. Before attention ran as planned, it ran batch split like q and moved none of them."""
+    import numpy as np
+
+    config = LLAMA.replace("num_key_value_heads=4", "num_key_value_heads=2")
+    graph, model, tables = _tables("llama", config, 2, 4, 16)
+    choice = list(data_parallel(tables))
+    for i, op in enumerate(graph.ops):
+        if op.kind == "einsum":
+            want = [2 if d == "heads" else 1 for d in op.dim_names]
+            choice[i] = int(np.flatnonzero((tables.configs[i] == want).all(axis=1))[0])
+    run = dry_run("llama", config, 4, 16, Plan.from_choice(tables, choice))
+    expected = []
+    for layer in range(2):
+        attn = f"model.layers.{layer}.self_attn"
+        for t in (f"{attn}.q_proj:out", f"{attn}.k_proj:out", f"{attn}.v_proj:out", f"{attn}#einsum1:out"):
+            expected.append(graph.tensor(t).nbytes)
+    expected.append(graph.tensor(graph.ops[-1].outputs[0].tensor).nbytes)  # the logits
+    gathers = [c.nbytes for c in run.collectives if c.phase == "forward" and c.kind == "all_gather"]
+    assert graph.tensor("model.layers.0.self_attn.k_proj:out").nbytes * 2 == graph.tensor(
+        "model.layers.0.self_attn.q_proj:out").nbytes
+    assert sorted(gathers) == sorted(expected)

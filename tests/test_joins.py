@@ -117,3 +117,53 @@ def test_every_join_of_a_transformer_is_found_at_run_time(name, monkeypatch):
     assert all(placed == len(joins) for _, _, placed in results)
     for op in joins:
         assert seen[op.outputs[0].tensor] == (Replicate(),), op.name
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_attention_matmuls_run_in_their_planned_layout(name, monkeypatch):
+    """Random plans on 2 and on 2x2 ranks: every batched matmul of attention (``q @ k^T``, ``p @ v``)
+    runs with the roles its op's planned split gives each mesh axis, not in the layout ``q`` arrives
+    in (before, a plan splitting attention by heads after batch-split projections ran it batch
+    split), and the step still equals single device. Llama's example has grouped-query attention
+    (2 kv heads for 4); GPT-2's q, k and v are views of one fused projection."""
+    from shardplan.execute import matmul as matmul_mod
+    from shardplan.execute.joins import planned_roles
+
+    module, kwargs, graph, loss, ref = reference(name)
+    einsums = [i for i, op in enumerate(graph.ops) if op.kind == "einsum"]
+    assert len(einsums) == 4
+    seen: list = []
+    original = matmul_mod.local_matmul
+
+    def recording(a, b):
+        seen.append(tuple(matmul_mod.matmul_roles(a, b)))
+        return original(a, b)
+
+    monkeypatch.setattr(matmul_mod, "local_matmul", recording)
+    for devices, shape, seeds in ((2, (2,), range(4)), (4, (2, 2), range(2))):
+        tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=devices)), devices)
+        for seed in seeds:
+            rng = np.random.default_rng(seed)
+            choice = [int(rng.integers(len(c))) for c in tables.configs]
+            plan = Plan.from_choice(tables, choice)
+            opmeshes = plan.mesh_view(graph, shape)[1]
+            want = [planned_roles(graph.ops[i], opmeshes[i], shape) for i in einsums]
+            seen.clear()
+
+            def rank_fn(rank):
+                local = copy.deepcopy(module)
+                pm = apply(local, graph, plan, init_device_mesh("cpu", shape))
+                out = pm(**kwargs)
+                logits = getattr(out, "logits", out)
+                step_loss = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float().pow(2).mean()
+                with pm.context():
+                    step_loss.backward()
+                    pm.reduce_gradients()
+                grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                         for n, p in local.named_parameters() if p.grad is not None}
+                return step_loss.item(), grads, pm.last_matmuls_placed
+
+            results = run_threaded(devices, rank_fn)
+            _assert_equal(results, loss, ref)
+            assert all(placed == len(einsums) for _, _, placed in results)
+            assert sorted(seen) == sorted(want * devices), (seed, seen, want)

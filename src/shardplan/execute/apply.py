@@ -252,18 +252,21 @@ class ParallelModule(nn.Module):
         self.joins = joins or {}
         self.last_joins_placed = 0
         """How many joins the last forward ran in their planned layout (``execute.joins``)."""
+        self.last_matmuls_placed = 0
+        """How many batched matmuls the last forward ran in their planned layout."""
 
     def forward(self, *args, **kwargs):
         token = _MOVED.set({})
         joins = PlannedJoins(self.mesh, self.joins)
         try:
-            with implicit_replication(), joins, LocalBatchedMatmul():
+            with implicit_replication(), LocalBatchedMatmul(), joins:  # joins first: they place matmuls
                 kwargs = {k: self._input(k, v) for k, v in kwargs.items()}
                 args = tuple(self._input(f"arg{i}", v) for i, v in enumerate(args))
                 return self.module(*args, **kwargs)
         finally:
             _MOVED.reset(token)
             self.last_joins_placed = joins.placed
+            self.last_matmuls_placed = joins.matmuls_placed
 
     def reduce_gradients(self, bucket_bytes: float = GRAD_BUCKET_BYTES) -> int:
         """All-reduce every parameter gradient DTensor left partial, in buckets: see
@@ -306,6 +309,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             out_pl = placements(op.outputs[0], om, shape)
             hooks[op.module] = (src.shape if src else None, in_pl, out_pl, graph.tensor(op.outputs[0].tensor).shape,
                                 _linear_input(op, om, shape), local_roles(op, om, shape), op.outputs[0].tensor)
+    onward = _moves_at_producer(graph, opmeshes, shape)
     params = dict(module.named_parameters())
     missing = [n for n in placed if n not in params]
     if missing:
@@ -334,7 +338,7 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
             # DTensor's pooling rules lose the global shape of channel-sharded maps (torch 2.13):
             # conv outputs keep only their batch split; the next conv re-shards (locally, no traffic)
             out_pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in out_pl]
-        sub.register_forward_hook(_post_hook(mesh, out_shape, out_pl, out_name))
+        sub.register_forward_hook(_post_hook(mesh, out_shape, out_pl, out_name, onward.get(out_name)))
     for block in dict(graph.meta).get("local_blocks", ()):
         # a mixture-of-experts block (one fused op) runs on each rank's batch shard, its experts
         # divided over the mesh axes that split ``experts``
@@ -468,9 +472,43 @@ def _pre_hook(mesh, in_shape, target, linear_in=None):
     return hook
 
 
-def _post_hook(mesh, out_shape, target, name=None):
+def _moves_at_producer(graph: Graph, opmeshes: list[OpMesh], mesh_shape: tuple[int, ...]) -> dict[str, list]:
+    """Activations moved to their reader's layout where they are made: graph tensor -> placements.
+
+    A projection read only by a batched matmul (attention's ``q``, ``k`` and ``v``) reaches it
+    through views, rotary embeddings and, with grouped-query attention, ``repeat_kv``, which
+    expands ``k`` and ``v`` from the kv heads to all heads. Moved at the matmul (``execute.joins``),
+    the expanded tensor would travel: heads / kv_heads times the bytes the plan's edge prices, which
+    counts the projection's output. Moved here, right after the projection, it is the tensor priced.
+    Only where the reader's split of every tensor axis is a plain block split (the leading dim of
+    the axis: heads of ``heads x head_dim``, not ``head_dim``, which is a strided split there)."""
+    from shardplan.execute.joins import planned_roles
+
+    readers: dict[str, list] = {}
+    for e in graph.edges():
+        readers.setdefault(e.tensor, []).append(e)
+    out: dict[str, list] = {}
+    for tensor, edges in readers.items():
+        if len(edges) != 1:
+            continue
+        e = edges[0]
+        op, om = graph.ops[e.dst], opmeshes[e.dst]
+        if planned_roles(op, om, mesh_shape) is None:
+            continue
+        operand = op.inputs[e.dst_in]
+        split = [d for d in om.placements(mesh_shape) if d is not None]
+        if all(any(ax and ax[0] == d for ax in operand.axes) or all(d not in ax for ax in operand.axes)
+               for d in split):
+            out[tensor] = placements(operand, om, mesh_shape)
+    return out
+
+
+def _post_hook(mesh, out_shape, target, name=None, onward=None):
     def hook(mod, args, out):
         out = _placed_output(mesh, out_shape, target, out)
+        if onward is not None and isinstance(out, DTensor) and tuple(out.shape) == tuple(out_shape) \
+                and tuple(out.placements) != tuple(onward):
+            out = move(out, mesh, onward)  # the plan's edge to its only reader (_moves_at_producer)
         if name is not None:
             tag(out, name)  # the op's output, for the joins that read it (execute.joins)
         return out

@@ -187,18 +187,29 @@ def _fake_safe_kernels():
     """Kernels whose fake (shape-only) version refuses what their CPU version runs, swapped for the
     equivalent the library itself falls back to: transformers' routed experts call
     ``torch._grouped_mm``, whose fake implementation takes bf16 only, so its own per-expert fallback
-    (same shapes, same calls into the experts' weights) is used instead."""
+    (same shapes, same calls into the experts' weights) is used instead. And DTensor works out a
+    strided shard's rows (a view merging a whole dim with a split one: attention's output split
+    along ``head_dim`` flattened for ``o_proj``) with small index tensors it reads back, which fake
+    tensors cannot; those are computed on real ones (they depend on sizes only)."""
     from unittest import mock
 
-    try:
-        import transformers.integrations.moe as moe
-    except ImportError:
-        yield
-        return
-    if not hasattr(moe, "_can_use_grouped_mm"):
-        yield
-        return
-    with mock.patch.object(moe, "_can_use_grouped_mm", lambda *a, **k: False):
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    rows = _StridedShard.local_shard_size_and_offset
+
+    def real_rows(*args, **kwargs):
+        with unset_fake_temporarily():
+            return rows(*args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(_StridedShard, "local_shard_size_and_offset", real_rows))
+        try:
+            import transformers.integrations.moe as moe
+        except ImportError:
+            moe = None
+        if moe is not None and hasattr(moe, "_can_use_grouped_mm"):
+            stack.enter_context(mock.patch.object(moe, "_can_use_grouped_mm", lambda *a, **k: False))
         yield
 
 

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from shardplan.execute.exchange import move
 
-_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
 
 def _plain_shard(p) -> int | None:
@@ -66,7 +66,7 @@ def matmul_roles(a: DTensor, b: DTensor) -> list[tuple]:
     return roles
 
 
-def _operand_placements(roles, t: DTensor, nout: int, left: bool) -> tuple[list, list]:
+def operand_placements(roles, t: DTensor, nout: int, left: bool) -> tuple[list, list]:
     """(placements ``t`` must have, placements of its gradient) for the roles."""
     nd = t.ndim
     want, grad = [], []
@@ -101,7 +101,7 @@ def local_matmul(a: DTensor, b: DTensor) -> DTensor:
     roles = matmul_roles(a, b)
     parts = []
     for t, left in ((a, True), (b, False)):
-        want, grad = _operand_placements(roles, t, nout, left)
+        want, grad = operand_placements(roles, t, nout, left)
         if tuple(t.placements) != tuple(want):
             t = move(t, mesh, want)
         parts.append(t.to_local(grad_placements=grad))
@@ -128,7 +128,7 @@ class LocalBatchedMatmul(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _MATMULS and len(args) == 2 and not kwargs:
+        if func in MATMULS and len(args) == 2 and not kwargs:
             a, b = args
             if (isinstance(a, DTensor) and isinstance(b, DTensor) and a.ndim >= 3 and b.ndim >= 3
                     and a.device_mesh == b.device_mesh):
