@@ -231,7 +231,7 @@ def test_nested_moves_of_the_mixtral_plan_are_one_exchange_each(monkeypatch):
     """The searched Mixtral-8x7B-shaped plan on 8 ranks of dgx-a100 (all-to-alls as on NCCL), on the
     2x2x2 mesh whose blocks the tables priced: its moves of dims split over several mesh axes go by
     one exchange each (execute.exchange), and the step's moves bring in 54% of the bytes DTensor's
-    axis-by-axis unsharding does (646 MB against 1191 MB here). The embedding's output, split 8 ways by its
+    axis-by-axis unsharding does (612 MB against 1158 MB here). The embedding's output, split 8 ways by its
     features, moves to q_proj's batch 4 x features 2: the busiest rank receives its whole tile, what
     the tables price (cost.moves.placed_words), where PaSE's rule of best overlap counts 3/4 of it."""
     from torch.distributed.tensor import Shard
