@@ -11,7 +11,8 @@ plans' steps are interleaved in each launch (``shardplan run --plan A --plan B .
 launches; the first launch also checks every plan against single-device training (``--check``).
 Prints per plan the predicted step, the best and median measured steps and the paired figure (as
 ``benchmarks/fidelity.py``), then the two expert-parallel plans' ratio predicted and measured and
-Kendall's tau of the predictions against the measurements.
+Kendall's tau of the predictions against the measurements. The plans are priced with the routing
+the ranks run (``capture.moe.measure_routing``: the busiest expert group's rows, ``cost.routing``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ import tempfile
 
 from fidelity import launch, measured, scores
 
+import torch
+
 from shardplan.capture import capture
 from shardplan.capture.models import build, parse_config
+from shardplan.capture.moe import measure_routing
 from shardplan.cluster import load_cluster
 from shardplan.cost.analytic import AnalyticCostModel
 from shardplan.cost.tables import build_tables
@@ -60,8 +64,10 @@ def main() -> None:
         if cal.returncode:
             sys.exit(f"shardplan calibrate failed: {cal.stderr.strip()[-500:]}")
     model = AnalyticCostModel(load_cluster(cluster_file), optimizer=RUN_OPTIMIZER)
+    torch.manual_seed(0)  # the weights and batch the ranks build (shardplan run measures the same routing)
     module, kwargs = build("mixtral", batch=args.batch, seq=args.seq, **parse_config(args.config))
-    graph = capture(module, (), kwargs, name="mixtral")
+    module.eval()
+    graph = measure_routing(capture(module, (), kwargs, name="mixtral"), module, kwargs)
     tables = build_tables(graph, model, args.devices)
     plans = {"data_parallel": data_parallel(tables), "experts_gathered": expert_parallel(tables, "gather"),
              "experts_all_to_all": expert_parallel(tables), "replicated": replicated(tables),

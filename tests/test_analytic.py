@@ -8,6 +8,7 @@ import pytest
 from shardplan.cluster import Cluster, Device, Level, collective_seconds, get_cluster
 from shardplan.cost.analytic import GRAD_BUCKET_BYTES, AnalyticCostModel
 from shardplan.cost.tables import build_tables
+from shardplan.cost.routing import uniform_load
 from shardplan.ir.builder import GraphBuilder
 from shardplan.search.brute_force import brute_force
 from shardplan.search.exact import exact_search
@@ -907,8 +908,11 @@ def test_expert_parallel_moe_by_hand():
     w_in, w_out = f32 * 4 * 64 * 256, f32 * 4 * 128 * 64
     experts = w_in + w_out
     # weights, gradients and two Adam moments: the router whole, a quarter of the experts; the output
-    # and a quarter of the block's inner activations kept for the backward pass
-    assert memory == pytest.approx(4 * router + 4 * experts / 4 + out + 12345 / 4, rel=1e-12)
+    # and a quarter of the block's inner activations kept for the backward pass, on the busiest
+    # device: L times the mean under uniform routing of 128 tokens, top-2 of 4 experts (cost.routing)
+    load = uniform_load(8 * 16, 2, 4, 4)
+    assert load > 1.1
+    assert memory == pytest.approx(4 * router + 4 * experts / 4 + out + load * 12345 / 4, rel=1e-12)
     # pure data parallelism: every weight's gradient all-reduced, no output or input-grad collective
     _, _, dp_comm, dp_memory = costs_of(g, model, 4, "mlp", (4, 1, 1, 1))
     assert dp_comm == pytest.approx(sum(grad(n, q) for n in (router, w_in, w_out)), rel=1e-12)
@@ -940,7 +944,8 @@ def test_all_to_all_dispatch_by_hand():
     def grad(n, group):  # a weight gradient: its share of a bucket's latency
         return float(collective_seconds(c, "all_reduce", n, group, n / GRAD_BUCKET_BYTES))
     router, out = f32 * 4 * 64, f32 * 128 * 64
-    rows = 8 * 16 // 4 * 2
+    load = uniform_load(8 * 16, 2, 4, 4)  # the busiest device's rows over the mean (cost.routing)
+    rows = 8 * 16 // 4 * 2 * load
     i = g.op_index("mlp")
     configs = np.array([[1, 1, 1, 4, 1], [1, 1, 2, 2, 1], [1, 1, 4, 1, 1]])
     items = {it.name: it for it in model.node_cost_items(g, g.ops[i], configs)}
@@ -951,12 +956,12 @@ def test_all_to_all_dispatch_by_hand():
     assert comm == pytest.approx(float(moves.seconds[0]) + grad(router, q), rel=1e-12)
     w_in, w_out = f32 * 4 * 64 * 256, f32 * 4 * 128 * 64
     # one expert per device; the output and inner activations a quarter each
-    assert memory == pytest.approx(4 * router + 4 * (w_in + w_out) / 4 + out / 4 + 12345 / 4, rel=1e-12)
+    assert memory == pytest.approx(4 * router + 4 * (w_in + w_out) / 4 + out / 4 + load * 12345 / 4, rel=1e-12)
     # 2 (experts, gathered) x 2 (experts, all-to-all): each pair of the all-to-all (ranks 2 apart)
     # holds half the tokens and sends the half of their choices its two experts take, 128 rows; the
     # partial outputs and input gradients of half the tokens are all-reduced over the gathered pair
     pair_e, pair_a = c.per_level(2, 1), c.per_level(2, 2)
-    half = 8 * 16 // 2 * 2 // 2
+    half = 8 * 16 // 2 * 2 // 2 * load  # the tokens of the whole batch over 4 groups of one expert each
     want = a2a(8 * 2, pair_a) + a2a(8 * half, pair_a) + 2 * a2a(f32 * half * 64, pair_a)
     assert moves.fwd[1] == pytest.approx(want, rel=1e-12)
     _, _, mixed, _ = costs_of(g, model, 4, "mlp", (1, 1, 2, 2, 1))

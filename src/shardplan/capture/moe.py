@@ -162,3 +162,56 @@ def fuse(graph: Graph) -> Graph:
     if not blocks:
         return graph
     return dataclasses.replace(graph, meta=tuple(graph.meta) + (("local_blocks", tuple(blocks)),))
+
+
+def measure_routing(graph: Graph, module, example_kwargs: dict) -> Graph:
+    """``graph`` with each fused block's routing profile (attribute ``expert_shares``: the fraction of
+    the (token, choice) rows each expert received), measured by one forward pass of ``module`` on
+    ``example_kwargs`` without gradients. The cost model then prices the busiest expert group of
+    that routing (``cost.routing``) instead of uniform routing's expectation. ``module`` must hold
+    real weights (not the meta device) and be the module ``graph`` was captured from; a graph
+    without mixture-of-experts blocks is returned as it is."""
+    import torch
+
+    from shardplan.capture.values import CaptureError
+
+    blocks = dict(graph.meta).get("local_blocks", ())
+    if not blocks:
+        return graph
+    if any(p.is_meta for p in module.parameters()):
+        raise CaptureError("measure_routing needs the model's weights; this module is on the meta device")
+    counts: dict[str, torch.Tensor] = {}
+    handles = []
+    for op in graph.ops:
+        if op.kind != KIND or op.name not in blocks:
+            continue
+        block = op.name
+        # the experts' module owns the weights with a leading experts axis (as execute.apply finds it)
+        weight = next(o.tensor for o in op.inputs if o.axes and "experts" in o.axes[0])
+        sub = module.get_submodule(weight.rpartition(".")[0])
+        if not hasattr(sub, "num_experts"):
+            raise CaptureError(f"mixture-of-experts block {block!r}: module {weight.rpartition('.')[0]!r} holds "
+                               f"the experts' weights but has no num_experts")
+        total = int(sub.num_experts)
+
+        def hook(mod, args, kwargs, block=block, total=total):
+            index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            seen = torch.bincount(index.reshape(-1).to(torch.int64).cpu(), minlength=total)
+            counts[block] = counts.get(block, 0) + seen
+        handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            module(**example_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    ops = []
+    for op in graph.ops:
+        if op.kind == KIND and op.name in counts:
+            c = counts[op.name].to(torch.float64)
+            shares = tuple(float(x) for x in (c / c.sum()).tolist())
+            attrs = dict(op.attrs)
+            attrs["expert_shares"] = shares
+            op = dataclasses.replace(op, attrs=tuple(sorted(attrs.items())))
+        ops.append(op)
+    return dataclasses.replace(graph, ops=tuple(ops))

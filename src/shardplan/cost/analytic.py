@@ -39,6 +39,7 @@ inside a node and data-parallel groups cross nodes (Megatron-LM's placement, Nar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,7 @@ from shardplan.cluster.mesh import default_mesh
 from shardplan.cost.configs import ConfigSpace, operand_layouts
 from shardplan.cost.moves import gathered_words, inner_copy_words, placed_words
 from shardplan.cost.pase import redistribution_words
+from shardplan.cost.routing import expert_load
 from shardplan.cost.tables import NodeCosts
 from shardplan.ir.graph import DimKind, Graph, GraphError, Op, TensorSpec
 
@@ -128,6 +130,10 @@ class AnalyticCostModel:
     """Edges priced by the blocks each rank holds on the mesh the runtime lays the plan on
     (``placed_words``); False: PaSE's rule, which assumes every rank's new tile overlaps its old one
     as far as the split factors allow."""
+    expert_imbalance: bool = True
+    """A mixture-of-experts block split over its experts is priced at its busiest expert group's rows
+    (``cost.routing``: the op's measured routing profile, else uniform routing's expectation): its
+    expert GEMMs, inner activations and token all-to-alls; False: every group gets the mean."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -187,8 +193,9 @@ class AnalyticCostModel:
                     items.append(MemoryItem("activation", o.tensor, t, t))
             else:  # an output: an activation kept for the backward pass
                 items.append(MemoryItem("activation", o.tensor, t, t))
-        if op.attr("kept_bytes"):  # a fused block's inner activations (``capture.moe``), split evenly
-            t = op.attr("kept_bytes") / np.prod(configs.astype(np.float64), axis=1)
+        if op.attr("kept_bytes"):  # a fused block's inner activations (``capture.moe``), on the busiest device
+            c = configs.astype(np.float64)
+            t = op.attr("kept_bytes") * self.expert_load(op, c) / np.prod(c, axis=1)
             items.append(MemoryItem("activation", op.name, t, t))
         return items
 
@@ -216,6 +223,8 @@ class AnalyticCostModel:
         # gradient: forward plus the weight-gradient GEMM
         passes = factor - 1.0 if op.kind in CONTRACTIONS and self._reads_only_inputs(graph, op) else factor
         flops = 0.0 if op.kind == "embedding" else op.flops  # a lookup is a gather, not a GEMM
+        if op.kind == "moe":  # the busiest expert group's GEMMs (cost.routing)
+            flops = flops + (self.expert_load(op, c) - 1.0) * op.attr("grouped_flops", 0.0)
         rate = dev.peak_flops * dev.efficiency * (dev.conv_efficiency if op.kind == "conv" else 1.0)
         if dev.gemm_efficiency and op.kind in ("fc", "einsum", "moe"):
             rate = rate * gemm_factor(dev, self.smallest_gemm_dim(op, c))
@@ -346,10 +355,12 @@ class AnalyticCostModel:
              split, whose other groups take the other ``1 - 1/e`` of the choices)
 
         each an all-to-all of ``cluster.collective_seconds`` (a device keeps ``1/d`` of its buffer and
-        sends the rest). Load imbalance (a popular expert) is not priced."""
+        sends the rest). The busiest device's experts get ``load`` times the mean rows
+        (``cost.routing``): it receives that many in the dispatch and sends them back in the combine,
+        and the all-to-all lasts as long as its part, so every row move is priced at ``load x n``."""
         i, e = op.dim_index(A2A), c[:, op.dim_index("experts")]
         x = graph.tensor(op.inputs[0].tensor)
-        n = self.tile_bytes(graph, op, configs, op.inputs[0]) * op.attr("top_k", 1) / e
+        n = self.tile_bytes(graph, op, configs, op.inputs[0]) * op.attr("top_k", 1) / e * self.expert_load(op, c)
         rows = n / (x.shape[-1] * x.dtype_bytes)
         q = self.group_levels(configs, strides, [i])
 
@@ -359,6 +370,16 @@ class AnalyticCostModel:
         fwd = moves + a2a(8.0 * c[:, i]) + a2a(8.0 * rows)
         on = c[:, i] > 1
         return np.where(on, fwd + moves, 0.0), np.where(on, fwd, 0.0)
+
+    def expert_load(self, op: Op, c: np.ndarray) -> np.ndarray:
+        """(K,) rows of a ``moe`` op's busiest expert group over the mean (``cost.routing``): its
+        experts split ``experts x experts_a2a`` ways share the tokens of one batch tile; 1 for other
+        ops and with ``expert_imbalance`` off."""
+        if op.kind != "moe" or not self.expert_imbalance:
+            return np.ones(len(c))
+        groups = c[:, op.dim_index("experts")] * (c[:, op.dim_index(A2A)] if A2A in op.dim_names else 1.0)
+        tokens = math.prod(op.dim(n).size for n in ("batch", "seq") if n in op.dim_names) / c[:, op.dim_index("batch")]
+        return expert_load(op, tokens, groups)
 
     def _sync_wait(self, items: list[CostItem], K: int) -> CostItem:
         """Waiting for the slowest peer at a sync point: ``sync_stretch x`` the op's compute in each pass

@@ -38,7 +38,8 @@ from shardplan.execute.exchange import mesh_group
 def split_experts(experts: nn.Module, fqn: str, weight, mesh: DeviceMesh, a2a_axes: tuple[int, ...] = ()) -> None:
     """Make ``experts`` (module ``fqn``, its leading-axis weight ``weight`` already distributed as the
     plan says) compute only this rank's experts; with ``a2a_axes`` its tokens travel to their experts
-    by all-to-all over those mesh axes (the module doc)."""
+    by all-to-all over those mesh axes (the module doc). After each call, ``experts.last_rows`` is the
+    number of (token, choice) rows this rank's experts ran (the load ``cost.routing`` prices)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -91,6 +92,7 @@ def _local(experts, forward, first: int, count: int, total: int, hidden, top_k_i
         order = torch.arange(tokens * k * count // total, device=hidden.device)
     else:
         order = ((choice >= first) & (choice < first + count)).nonzero().squeeze(1)
+    experts.last_rows = len(order)
     done = _rows(experts, forward, hidden[token[order]], choice[order] - first, top_k_weights.dtype)
     return _combine(hidden, token[order], done, top_k_weights.reshape(-1)[order])
 
@@ -188,6 +190,7 @@ def _dispatch(experts, forward, group, size: int, dest: tuple[int, ...], count: 
         send, recv = counts.tolist(), got.tolist()
     ids = _exchange(choice[order] % count, send, recv, group)  # the experts' local ids
     rows = _AllToAll.apply(hidden[token[order]], send, recv, group)
+    experts.last_rows = len(rows)
     done = _rows(experts, forward, rows, ids, top_k_weights.dtype)
     back = _AllToAll.apply(done, recv, send, group)
     return _combine(hidden, token[order], back, top_k_weights.reshape(-1)[order])

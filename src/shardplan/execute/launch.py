@@ -42,20 +42,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def capture_model(model: str, config: str, batch: int, seq: int):
+def capture_model(model: str, config: str, batch: int, seq: int, routing: bool = False):
     """The graph of a runnable model as ``shardplan run`` builds it, captured on the meta device
-    (shapes are all the graph needs: no weight memory, however large the model)."""
+    (shapes are all the graph needs: no weight memory, however large the model).
+
+    ``routing``: a model with mixture-of-experts blocks is also built as the ranks build it (seed 0:
+    the same weights and the same synthetic batch) and its routing measured on that batch
+    (``capture.moe.measure_routing``), so the prediction prices the busiest expert group of the
+    routing the ranks will run, not uniform routing's."""
     if model not in RUNNABLE:
         raise ApplyError(f"shardplan run knows models {', '.join(RUNNABLE)}; got {model!r}")
     module, kwargs = build(model, batch=batch, seq=seq, device="meta", **parse_config(config))
-    return capture(module, (), kwargs, name=model)
+    graph = capture(module, (), kwargs, name=model)
+    if routing and dict(graph.meta).get("local_blocks"):
+        import torch
+
+        from shardplan.capture.moe import measure_routing
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)  # as execute.worker builds each rank's model and batch
+            module, kwargs = build(model, batch=batch, seq=seq, **parse_config(config))
+        module.eval()
+        graph = measure_routing(graph, module, kwargs)
+    return graph
 
 
 def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_model, plan_file: str | None,
             graph=None):
     """(plan, predicted seconds) after every check that can fail before a process starts; ``graph``:
     the model's capture when the caller has it already (``capture_model``)."""
-    graph = graph if graph is not None else capture_model(model, config, batch, seq)
+    graph = graph if graph is not None else capture_model(model, config, batch, seq, routing=True)
     tables = build_tables(graph, cost_model, devices)
     if plan_file:
         plan = Plan.load(plan_file)

@@ -247,7 +247,7 @@ def _run_several(args, model_name: str, files: list[str], cost_model, cluster, d
     if args.pipeline or _any_pipeline(files):
         raise UsageError("several --plan files run SPMD plans only; run a pipeline plan on its own")
     try:
-        graph = capture_model(model_name, args.hf_config, args.batch, args.seq)  # once for every plan
+        graph = capture_model(model_name, args.hf_config, args.batch, args.seq, routing=True)  # once for every plan
     except (ApplyError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     prepared = []

@@ -1,0 +1,87 @@
+"""Load imbalance of a routed mixture-of-experts block: the (token, choice) rows its busiest group of
+experts receives, over the mean.
+
+A block whose experts are split over ``g`` groups of devices (``capture.moe``: ``experts`` and
+``experts_a2a`` together; each device holds a block of ``E / g`` consecutive experts, as
+``execute.experts`` assigns them) waits, at its next collective, for the device whose experts got
+the most rows. Two sources of that figure:
+
+* **A routing profile** (``moe`` op attribute ``expert_shares``: the fraction of the rows each
+  expert received, measured on the model's own weights and inputs by
+  ``capture.moe.measure_routing``). The busiest group is then exact for that routing:
+
+      load = g x max over blocks j of (sum of shares of the experts in block j)
+
+* **No profile** (a model captured on the meta device: no weights, no routing): the expectation
+  under uniform routing, each token choosing its ``k`` experts uniformly at random without
+  replacement. A group of ``E / g`` experts receives ``X_t`` of token t's choices, hypergeometric
+  with mean ``k / g`` and variance ``k (1/g)(1 - 1/g)(E - k)/(E - 1)``; over T tokens the group's
+  rows have mean ``mu = T k / g`` and variance ``T`` times that (``sigma^2``). The g counts sum to
+  ``T k``, so in the normal approximation they are ``mu + sigma sqrt(g / (g - 1)) (Z_j - mean Z)``
+  with ``Z_j`` independent standard normals, and
+
+      E[max rows] = mu + sigma sqrt(g / (g - 1)) c_g        load = E[max rows] / mu
+
+  with ``c_g = E[max of g standard normals]`` (1/sqrt(pi) = 0.564 for g = 2, 1.029 for 4, 1.424
+  for 8; Tippett 1925, computed here by quadrature). This is a floor: a trained router, or a
+  random one on real tokens, prefers some experts, and its measured profile can be far more
+  uneven (the small Mixtral of ``benchmarks/moe_dispatch.py``: 1.00-1.16 on 2 groups where uniform
+  routing expects 1.02).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def normal_max(g: int) -> float:
+    """E[max of g independent standard normals] (0 for g = 1), by quadrature of
+    ``x g phi(x) Phi(x)^(g - 1)`` over [-12, 12]."""
+    if g <= 1:
+        return 0.0
+    x = np.linspace(-12.0, 12.0, 24001)
+    phi = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+    f = x * g * phi * cdf ** (g - 1)
+    return float(np.sum((f[1:] + f[:-1]) * np.diff(x)) / 2.0)
+
+
+def uniform_load(tokens: float, top_k: int, experts: int, groups: int) -> float:
+    """Expected rows of the busiest of ``groups`` expert groups over their mean, for ``tokens`` tokens
+    each routed to ``top_k`` distinct experts of ``experts`` uniformly at random (module doc)."""
+    g = int(groups)
+    if g <= 1 or tokens <= 0 or top_k >= experts:
+        return 1.0
+    mu = tokens * top_k / g
+    var = tokens * top_k * (1.0 / g) * (1.0 - 1.0 / g) * (experts - top_k) / (experts - 1)
+    return 1.0 + math.sqrt(var) * math.sqrt(g / (g - 1.0)) * normal_max(g) / mu
+
+
+def profile_load(shares, groups: int) -> float:
+    """Rows of the busiest of ``groups`` blocks of consecutive experts over their mean, for a routing
+    profile (each expert's fraction of the rows)."""
+    s = np.asarray(shares, dtype=np.float64)
+    g = int(groups)
+    if g <= 1:
+        return 1.0
+    if len(s) % g:
+        raise ValueError(f"{len(s)} experts do not split into {g} equal groups")
+    total = s.sum()
+    return float(g * s.reshape(g, -1).sum(axis=1).max() / total) if total > 0 else 1.0
+
+
+def expert_load(op, tokens: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Per configuration (K,): the busiest expert group's rows over the mean for ``moe`` op ``op`` with
+    its experts split ``groups`` ways and ``tokens`` tokens in each pool the groups share (the block's
+    tokens over its batch split): from the op's routing profile when it has one, else uniform."""
+    shares = op.attr("expert_shares")
+    experts = op.dim("experts").size
+    top_k = op.attr("top_k", 1)
+    out = np.ones(len(groups))
+    for i, (t, g) in enumerate(zip(tokens, groups)):
+        out[i] = profile_load(shares, int(g)) if shares else uniform_load(float(t), top_k, experts, int(g))
+    return out
