@@ -76,6 +76,9 @@ class Plan:
     baselines: dict = field(default_factory=dict, hash=False)
     search_seconds: float = 0.0
     note: str = ""
+    mesh: tuple[int, ...] | None = None
+    """The device mesh the plan was made for (``--mesh``), which the runtime runs it on; None: the
+    runtime chooses (``execute.apply.choose_mesh``)."""
 
     @staticmethod
     def from_choice(tables: CostTables, choice, *, cluster: str | None = None, method: str = "exact",
@@ -87,7 +90,7 @@ class Plan:
         cost = tables.cost_of(choice)
         return Plan(tables.graph.name, tables.devices, tables.model_name, tables.unit, cluster, tuple(ops), cost,
                     optimal, cost if lower_bound is None else lower_bound, method, tables.breakdown(list(choice)),
-                    dict(baselines or {}), search_seconds, note)
+                    dict(baselines or {}), search_seconds, note, getattr(tables, "mesh", None))
 
     def check_graph(self, graph) -> None:
         """PlanError, naming the first op that differs, if this plan was made for another graph."""
@@ -137,6 +140,7 @@ class Plan:
             "layers": [{"name": o.name, "kind": o.kind, "split": {d: f for d, f in o.split if f > 1},
                         "dims": [d for d, _ in o.split]} for o in self.ops],
             "breakdown": self.breakdown, "baselines": self.baselines,
+            **({"mesh": list(self.mesh)} if self.mesh else {}),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -157,7 +161,8 @@ class Plan:
             return Plan(raw["model"], int(raw["devices"]), raw["cost_model"], raw["unit"], raw.get("cluster"),
                         ops, float(raw["cost"]), bool(raw["optimal"]), -math.inf if raw["lower_bound"] is None else float(raw["lower_bound"]), raw["method"],
                         dict(raw.get("breakdown", {})), dict(raw.get("baselines", {})),
-                        float(raw.get("search_seconds", 0.0)), raw.get("note", ""))
+                        float(raw.get("search_seconds", 0.0)), raw.get("note", ""),
+                        tuple(int(a) for a in raw["mesh"]) if raw.get("mesh") else None)
 
     @staticmethod
     def from_json(text: str, source: str = "plan") -> "Plan":

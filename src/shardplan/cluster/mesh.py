@@ -58,7 +58,7 @@ class OpMesh:
 
 
 @functools.lru_cache(maxsize=65536)
-def _mesh_axes(batch: tuple[bool, ...], config: tuple[int, ...], mesh: tuple[int, ...]) -> tuple | None:
+def mesh_axes(batch: tuple[bool, ...], config: tuple[int, ...], mesh: tuple[int, ...]) -> tuple | None:
     """Mesh axes of each dim (empty when unsplit), for dims whose batch flags are ``batch``; None when
     the configuration does not fit. Non-batch dims first, each taking the innermost free axes whose
     sizes multiply to its factor; the batch dims after them."""
@@ -93,7 +93,7 @@ def _mesh_axes(batch: tuple[bool, ...], config: tuple[int, ...], mesh: tuple[int
 def assign(op: Op, config: tuple[int, ...], mesh: tuple[int, ...]) -> OpMesh:
     """Mesh axes for each split dim of ``op`` under ``config``; MeshError when it does not fit."""
     batch = tuple(d.kind is DimKind.BATCH for d in op.dims)
-    found = _mesh_axes(batch, tuple(int(f) for f in config), tuple(mesh))
+    found = mesh_axes(batch, tuple(int(f) for f in config), tuple(mesh))
     split = [i for b in (False, True) for i, d in enumerate(batch) if d is b and config[i] > 1]  # axes order
     if found is None:
         splits = ", ".join(f"{op.dims[i].name}={config[i]}" for i in split)
@@ -112,7 +112,7 @@ def placed_layouts(op: Op, configs: np.ndarray, axes: tuple[tuple[str, ...], ...
     n, m = len(axes), len(mesh)
     out = np.empty((len(configs), n + m), dtype=np.int64)
     for k, config in enumerate(configs):
-        found = _mesh_axes(batch, tuple(int(f) for f in config), tuple(mesh))
+        found = mesh_axes(batch, tuple(int(f) for f in config), tuple(mesh))
         if found is None:
             raise MeshError(f"op {op.name!r}: configuration {tuple(int(f) for f in config)} does not map onto "
                             f"mesh {'x'.join(map(str, mesh))}")

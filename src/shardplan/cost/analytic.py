@@ -134,6 +134,11 @@ class AnalyticCostModel:
     """A mixture-of-experts block split over its experts is priced at its busiest expert group's rows
     (``cost.routing``: the op's measured routing profile, else uniform routing's expectation): its
     expert GEMMs, inner activations and token all-to-alls; False: every group gets the mean."""
+    mesh: tuple[int, ...] | None = None
+    """The device mesh plans are made for (``--mesh 8x8``: 8 nodes of 8 GPUs, say): only configurations
+    that lay on it are searched (``ConfigSpace.mesh``), edges are priced by the blocks ranks hold on
+    it, and the runtime runs the plan on it. None: the mesh of the device count's prime factors, which
+    takes every configuration, and a coarser one at run time where the blocks are the same."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -143,7 +148,10 @@ class AnalyticCostModel:
         if devices > self.cluster.num_devices:
             raise ValueError(f"{devices} devices requested but cluster {self.cluster.name!r} has "
                              f"{self.cluster.num_devices}")
-        return ConfigSpace(devices=devices, cutoff=1, product="divides")
+        if self.mesh is not None and math.prod(self.mesh) != devices:
+            raise ValueError(f"mesh {'x'.join(map(str, self.mesh))} holds {math.prod(self.mesh)} devices; "
+                             f"planning for {devices}")
+        return ConfigSpace(devices=devices, cutoff=1, product="divides", mesh=self.mesh)
 
     def frozen_dims(self, op: Op) -> frozenset[str]:
         if op.kind == "lstm":
@@ -533,10 +541,13 @@ class AnalyticCostModel:
 
     # -- edge costs ----------------------------------------------------------------------------------
     def edge_mesh(self, devices: int) -> tuple[int, ...] | None:
-        """The mesh edges are priced on (``placed_words``): the mesh of ``devices``' prime factors,
-        which takes every configuration and which the runtime lays a plan on, or a coarser one with the
-        same blocks (``execute.apply.choose_mesh``); None with ``exact_tiles`` off (PaSE's rule)."""
-        return default_mesh(devices) if self.exact_tiles else None
+        """The mesh edges are priced on (``placed_words``): the model's ``mesh`` when given, which the
+        runtime then runs the plan on; else the mesh of ``devices``' prime factors, which takes every
+        configuration and which the runtime lays a plan on, or a coarser one with the same blocks
+        (``execute.apply.choose_mesh``); None with ``exact_tiles`` off (PaSE's rule)."""
+        if not self.exact_tiles:
+            return None
+        return tuple(self.mesh) if self.mesh is not None else default_mesh(devices)
 
     def edge_bytes(self, tensor: TensorSpec, src_layouts: np.ndarray,
                    dst_layouts: np.ndarray, mesh: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -9,6 +9,8 @@ Two spaces, one function:
   and ``prod(c) <= p``. Any divisor, so 3-, 5- or 7-way splits appear.
 * ``mesh`` (the default for the analytic model): each ``c_i`` divides ``d_i`` and ``prod(c)`` divides
   ``p``, so every configuration maps onto a sub-mesh of the devices and can be run with DTensor.
+  With a given device mesh (``ConfigSpace.mesh``, e.g. 8 x 8 for 8 nodes of 8 GPUs) only the
+  configurations whose every split factor is a product of whole mesh axes.
 """
 
 from __future__ import annotations
@@ -44,12 +46,20 @@ class ConfigSpace:
     """Smallest slice a split dim may leave on a device (PaSE: 4 for CNNs, 1 otherwise)."""
     product: Literal["at_most", "divides"] = "divides"
     """``at_most``: prod(c) <= devices (PaSE). ``divides``: prod(c) divides devices (mesh-realisable)."""
+    mesh: tuple[int, ...] | None = None
+    """A device mesh every configuration must lay on (each split factor the product of whole mesh
+    axes, ``cluster.mesh``); None: any factors whose product divides the devices (they all lay on
+    the mesh of the devices' prime factors)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices, int) or self.devices < 1:
             raise ValueError(f"devices must be a positive integer, got {self.devices!r}")
         if self.cutoff < 1:
             raise ValueError(f"cutoff must be at least 1, got {self.cutoff!r}")
+        if self.mesh is not None and (not self.mesh or any(not isinstance(a, int) or a < 1 for a in self.mesh)
+                                      or _prod(self.mesh) != self.devices):
+            raise ValueError(f"mesh {'x'.join(map(str, self.mesh))} does not hold {self.devices} devices "
+                             f"(its axes must be positive and multiply to the device count)")
 
 
 def _prod(values) -> int:
@@ -123,6 +133,12 @@ def enumerate_configs(op: Op, space: ConfigSpace, frozen: frozenset[str] = froze
     if op.kind == "reshape":
         sizes = tuple(d.size for d in op.dims)
         rows = [r for r in rows if _contiguous(sizes, r)]
+    if space.mesh is not None:
+        from shardplan.cluster.mesh import mesh_axes
+        from shardplan.ir.graph import DimKind
+
+        batch = tuple(d.kind is DimKind.BATCH for d in op.dims)
+        rows = [r for r in rows if mesh_axes(batch, tuple(int(f) for f in r), tuple(space.mesh)) is not None]
     return np.array(rows, dtype=np.int64).reshape(len(rows), len(op.dims))
 
 

@@ -87,6 +87,8 @@ class CostTables:
     edges: tuple[EdgeTable, ...]
     build_seconds: float = 0.0
     memory_limit_bytes: float | None = None
+    mesh: tuple[int, ...] | None = None
+    """The device mesh the configurations were limited to (the cost model's ``mesh``), or None."""
     _by_pair: dict = field(init=False, repr=False, compare=False, default=None)
 
     @property
@@ -180,5 +182,6 @@ def build_tables(graph: Graph, model: CostModel, devices: int,
             if syncs is not None:
                 syncs |= p[4][np.ix_(s_joint[:, j], d_joint[:, j])]
         edges.append(EdgeTable(src, dst, s_cls, d_cls, cost, tuple(p[3] for p in parts), syncs))
+    mesh = getattr(model, "mesh", None)
     return CostTables(graph, devices, model.name, model.unit, tuple(configs), tuple(nodes), tuple(edges),
-                      build_seconds=time.perf_counter() - start)
+                      build_seconds=time.perf_counter() - start, mesh=tuple(mesh) if mesh else None)

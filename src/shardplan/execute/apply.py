@@ -134,8 +134,9 @@ propagation enumerates its strategies on every mesh axis, so its time grows as s
 
 
 def choose_mesh(graph: Graph, plan: Plan) -> tuple[int, ...]:
-    """The coarsest mesh the plan lays on with every rank holding the blocks it holds on the mesh of
-    p's prime factors: (p,), then two axes, three, four, then the primes' mesh itself.
+    """The mesh a plan made for one (``Plan.mesh``, ``--mesh``) names; else the coarsest mesh the plan
+    lays on with every rank holding the blocks it holds on the mesh of p's prime factors: (p,), then
+    two axes, three, four, then the primes' mesh itself.
 
     The cost model prices each move by the blocks ranks hold on the primes' mesh
     (``AnalyticCostModel.edge_mesh``), so a mesh that gives some rank another block moves other
@@ -150,6 +151,13 @@ def choose_mesh(graph: Graph, plan: Plan) -> tuple[int, ...]:
 
     check_model(graph, plan)
     p = plan.devices
+    if plan.mesh:  # made for a given mesh (--mesh): its moves were priced on that mesh's blocks
+        try:
+            plan.mesh_view(graph, plan.mesh)
+        except (MeshError, PlanError) as exc:
+            raise ApplyError(f"plan for {plan.model!r} was made for mesh {'x'.join(map(str, plan.mesh))}, "
+                             f"but {exc}") from None
+        return tuple(plan.mesh)
     primes = default_mesh(p)
     configs = [tuple(f for _, f in op.split) for op in plan.ops]
     candidates = [(p,)] + [f for axes in (2, 3, 4) for f in factorizations(p, axes)] + [primes]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -73,10 +74,16 @@ def prepare(model: str, config: str, batch: int, seq: int, devices: int, cost_mo
     the model's capture when the caller has it already (``capture_model``)."""
     graph = graph if graph is not None else capture_model(model, config, batch, seq, routing=True)
     tables = build_tables(graph, cost_model, devices)
+    mesh = getattr(cost_model, "mesh", None)
     if plan_file:
         plan = Plan.load(plan_file)
         if plan.devices != devices:
             check(graph, plan, (devices,))  # names the model mismatch first, else the device count
+        if mesh is not None:  # --mesh: the plan runs on it (a plan made for another mesh is refused)
+            if plan.mesh and tuple(plan.mesh) != tuple(mesh):
+                raise ApplyError(f"plan file {plan_file!r} was made for mesh {'x'.join(map(str, plan.mesh))}; "
+                                 f"--mesh asks for {'x'.join(map(str, mesh))}")
+            plan = dataclasses.replace(plan, mesh=tuple(mesh))
         check(graph, plan, choose_mesh(graph, plan))
         choice = plan.to_choice(tables)
     else:

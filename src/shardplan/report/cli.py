@@ -50,6 +50,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError("--verify runs the plan on the PyTorch model: give --hf or --module")
     graph = _graph(args)
     if model.name == "analytic" and (args.pipeline or _needs_pipeline(graph, cluster)):
+        if args.mesh:
+            raise UsageError("--mesh lays an SPMD plan on a mesh; a pipeline plan makes its own (pp, dp, tp) mesh")
         if args.verify:
             raise UsageError("--verify runs SPMD plans; a pipeline plan needs its stages' processes")
         return _plan_pipeline(args, graph, cluster, devices)
@@ -232,7 +234,8 @@ def _print(plan: Plan, graph, details, solution, limit, tables) -> None:
     console = Console()
     console.print(table)
     status = "proven optimal" if plan.optimal else "NOT proven optimal"
-    console.print(f"cost: {plan.cost:.6g} {plan.unit}  ({plan.method}, {status}; "
+    on_mesh = f" on mesh {'x'.join(map(str, plan.mesh))}" if plan.mesh else ""
+    console.print(f"cost: {plan.cost:.6g} {plan.unit}{on_mesh}  ({plan.method}, {status}; "
                   f"search {plan.search_seconds:.2f} s)")
     b = plan.breakdown
     console.print(f"  compute {b['compute']:.4g}, intra-op communication {b['comm']:.4g}, "
@@ -338,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds; past it the best plan so far is returned, flagged not optimal")
     p.add_argument("--json", default=None, help="write the plan as JSON to FILE, or - for stdout")
+    p.add_argument("--mesh", default=None,
+                   help="plan for this device mesh, e.g. 8x8 (8 nodes of 8): only splits that lay on it are "
+                        "searched, moves are priced on it and `run` uses it (default: the runtime chooses)")
     p.add_argument("--pipeline", action="store_true",
                    help="use the pipeline planner (chosen anyway when the model states do not fit one node)")
     p.add_argument("--verify", action="store_true",
@@ -363,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cluster", default=None, help=f"cluster to predict on (default {DEFAULT_CLUSTER})")
     r.add_argument("--nodes", type=int, default=None)
     r.add_argument("--cost-model", default="analytic")
+    r.add_argument("--mesh", default=None, help="search the plan for this device mesh, e.g. 2x2 (as `plan --mesh`)")
     r.add_argument("--json", default=None, help="write the result as JSON to FILE, or - for stdout")
     r.add_argument("--nnodes", type=int, default=1,
                    help="hosts the ranks run on: give every host the same command with its own --node-rank; "

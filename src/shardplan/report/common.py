@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from shardplan.cluster import PRESETS, ClusterError, get_cluster
 from shardplan.cost.analytic import AnalyticCostModel
@@ -40,11 +41,29 @@ def cost_model(args: argparse.Namespace):
         if cluster is None or (args.nodes is None and args.cluster in (None, *PRESETS)):
             raise UsageError("--devices is required (or give --nodes, or a cluster file, to use a whole cluster)")
         devices = cluster.num_devices
+    mesh = parse_mesh(getattr(args, "mesh", None), devices)
     if args.cost_model == "pase":
+        if mesh is not None:
+            raise UsageError("--mesh limits the analytic model's search; PaSE's model splits freely")
         if cluster is None:
             return PaseCostModel(), None, devices
         return PaseCostModel.from_machine(cluster.device.peak_flops, cluster.levels[0].bandwidth), cluster, devices
-    return AnalyticCostModel(cluster), cluster, devices
+    return AnalyticCostModel(cluster, mesh=mesh), cluster, devices
+
+
+def parse_mesh(text: str | None, devices: int) -> tuple[int, ...] | None:
+    """``--mesh 8x8`` -> (8, 8), checked against the device count; None when not given."""
+    if not text:
+        return None
+    try:
+        mesh = tuple(int(a) for a in text.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--mesh: expected sizes joined by x, such as 8x8 or 2x4x8; got {text!r}") from None
+    if any(a < 1 for a in mesh):
+        raise UsageError(f"--mesh {text}: every axis needs at least one device")
+    if math.prod(mesh) != devices:
+        raise UsageError(f"--mesh {text} holds {math.prod(mesh)} devices; planning for {devices}")
+    return mesh
 
 
 def write_json(args, out: dict) -> bool:

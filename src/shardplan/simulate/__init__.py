@@ -65,7 +65,8 @@ def simulate(graph, cluster, plan, *, overlap: bool = True, optimizer: bool = Tr
         return simulate_pipeline(plan, cluster, p2p_seconds=p2p_seconds, p2p_bytes=p2p_bytes,
                                  sync_seconds=sync_seconds, static_bytes=static_bytes,
                                  activation_bytes=activation_bytes, overlap=overlap)
-    model = AnalyticCostModel(cluster, optimizer=optimizer_name)
+    mesh = plan.mesh if isinstance(plan, Plan) else None  # a plan made for a mesh is priced on it
+    model = AnalyticCostModel(cluster, optimizer=optimizer_name, mesh=mesh)
     if tables is not None:
         if graph is not None and tables.graph is not graph and tables.graph.name != graph.name:
             raise ValueError(f"tables are for graph {tables.graph.name!r}, not {graph.name!r}")
