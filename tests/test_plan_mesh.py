@@ -87,6 +87,51 @@ def test_cli_plan_on_a_mesh_and_its_refusals(capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_mesh_auto_keeps_the_mesh_whose_plan_is_cheapest():
+    """``solve_meshes`` on AlexNet over 8 devices: it tries the four meshes of 8 with up to four axes
+    (8, 2x4, 4x2, 2x2x2), and its answer is the cheapest of the plans ``solve`` finds on each mesh
+    alone, with that mesh's tables."""
+    from shardplan.cluster.mesh import candidate_meshes
+    from shardplan.search.solve import solve, solve_meshes
+
+    graph = build_model("alexnet", 8)
+    model = AnalyticCostModel(get_cluster("dgx-a100"))
+    assert candidate_meshes(8) == [(8,), (2, 4), (4, 2), (2, 2, 2)] and candidate_meshes(1) == [(1,)]
+    tables, sol, tried = solve_meshes(graph, model, 8)
+    alone = {}
+    for mesh in candidate_meshes(8):
+        on = AnalyticCostModel(model.cluster, mesh=mesh)
+        alone[mesh] = solve(build_tables(graph, on, 8), model=on).cost
+    assert [t.mesh for t in tried] == candidate_meshes(8)
+    assert [t.cost for t in tried] == pytest.approx([alone[m] for m in candidate_meshes(8)], rel=1e-12)
+    assert sol.cost == pytest.approx(min(alone.values()), rel=1e-12)
+    assert alone[tables.mesh] == pytest.approx(sol.cost, rel=1e-12)
+
+
+def test_mesh_auto_stopped_keeps_the_best_so_far_and_says_when_nothing_fits():
+    from shardplan.search.solve import PlanDoesNotFit, solve_meshes
+
+    graph = build_model("alexnet", 8)
+    model = AnalyticCostModel(get_cluster("dgx-a100"))
+
+    def stop_at_third(i, n, mesh):
+        if i == 2:
+            raise KeyboardInterrupt
+
+    tables, sol, tried = solve_meshes(graph, model, 8, progress=stop_at_third)
+    assert [t.mesh for t in tried] == [(8,), (2, 4)] and tables.mesh in ((8,), (2, 4))
+    with pytest.raises(PlanDoesNotFit, match="no plan fits on any of 4 meshes of 8 devices"):
+        solve_meshes(graph, model, 8, memory_limit_bytes=1.0)
+
+
+def test_cli_mesh_auto(capsys):
+    assert main(["plan", "--model", "alexnet", "--devices", "8", "--mesh", "auto", "--json", "-"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    tried = {tuple(t["mesh"]): t["predicted"] for t in out["meshes_tried"]}
+    assert set(tried) == {(8,), (2, 4), (4, 2), (2, 2, 2)}
+    assert tuple(out["mesh"]) in tried and out["cost"] == pytest.approx(min(tried.values()), rel=1e-9)
+
+
 torch = pytest.importorskip("torch")
 
 

@@ -41,6 +41,28 @@ def default_mesh(devices: int) -> tuple[int, ...]:
     return tuple(sorted(prime_factors(devices), reverse=True)) or (1,)
 
 
+MAX_MESH_AXES = 4
+"""The most mesh axes the runtime lays a plan on while a coarser mesh fits it
+(``execute.apply.choose_mesh``), and the most ``candidate_meshes`` proposes: DTensor's sharding
+propagation enumerates its strategies on every mesh axis, so its time grows as strategies ** axes
+(a linear of a 64-rank Llama plan took 50 s to plan on the 6-axis mesh of 64's primes, torch 2.13)."""
+
+
+def factorizations(p: int, axes: int) -> list[tuple[int, ...]]:
+    """Every ordered ``axes``-tuple of factors of at least 2 whose product is ``p``."""
+    if axes == 1:
+        return [(p,)] if p >= 2 else []
+    return [(a,) + rest for a in range(2, p) if p % a == 0 for rest in factorizations(p // a, axes - 1)]
+
+
+def candidate_meshes(devices: int, max_axes: int = MAX_MESH_AXES) -> list[tuple[int, ...]]:
+    """Every mesh of ``devices`` with at most ``max_axes`` axes of two or more devices each, in every
+    order (the order decides which dims take the inner axes): what ``--mesh auto`` tries."""
+    if devices == 1:
+        return [(1,)]
+    return [m for axes in range(1, max_axes + 1) for m in factorizations(devices, axes)]
+
+
 @dataclass(frozen=True)
 class OpMesh:
     """Mesh axes (indices into the mesh shape) splitting each dim of one op."""

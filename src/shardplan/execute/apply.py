@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from shardplan.cluster.mesh import MeshError, OpMesh
+from shardplan.cluster.mesh import MAX_MESH_AXES, MeshError, OpMesh, factorizations  # noqa: F401 (re-exported)
 from shardplan.cost.analytic import A2A, GRAD_BUCKET_BYTES
 from shardplan.execute.exchange import move
 from shardplan.execute.gradients import reduce_gradients
@@ -118,19 +118,6 @@ def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[O
                                  f"{operand.tensor!r} would be split over two mesh axes, which DTensor's "
                                  f"convolution does not support; plan on a 1-D mesh or split another dim")
     return opmeshes
-
-
-def factorizations(p: int, axes: int) -> list[tuple[int, ...]]:
-    """Every ordered ``axes``-tuple of factors of at least 2 whose product is ``p``."""
-    if axes == 1:
-        return [(p,)] if p >= 2 else []
-    return [(a,) + rest for a in range(2, p) if p % a == 0 for rest in factorizations(p // a, axes - 1)]
-
-
-MAX_MESH_AXES = 4
-"""The most mesh axes ``choose_mesh`` lays a plan on while a coarser mesh fits it: DTensor's sharding
-propagation enumerates its strategies on every mesh axis, so its time grows as strategies ** axes
-(a linear of a 64-rank Llama plan took 50 s to plan on the 6-axis mesh of 64's primes, torch 2.13)."""
 
 
 def choose_mesh(graph: Graph, plan: Plan) -> tuple[int, ...]:

@@ -5,7 +5,9 @@ live in ``report.runtime``; what all commands share in ``report.common``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
 
@@ -19,7 +21,7 @@ from shardplan.report.common import cost_model as _cost_model
 from shardplan.report.common import positive as _positive
 from shardplan.report.common import write_json as _write_json
 from shardplan.search.baselines import all_baselines
-from shardplan.search.solve import GIB, PlanDoesNotFit, memory_of, solve
+from shardplan.search.solve import GIB, PlanDoesNotFit, memory_of, solve, solve_meshes
 from shardplan.zoo import MODELS, build_model, model_sizes
 
 OUTPUT_FLAGS = ("json", "out", "trace", "png")
@@ -62,9 +64,16 @@ def _plan(args: argparse.Namespace) -> int:
         limit = cluster.device.memory_bytes
     quiet = args.json == "-" or not sys.stderr.isatty()
     start = time.perf_counter()
-    tables = _build(graph, model, devices, quiet)
+    tried = None
     try:
-        solution = _search(tables, limit, args.time_limit, quiet, model)
+        if args.mesh == "auto":
+            if model.name != "analytic":
+                raise UsageError("--mesh auto compares meshes under the analytic model")
+            tables, solution, tried = _search_meshes(graph, model, devices, limit, args.time_limit, quiet)
+            model = dataclasses.replace(model, mesh=tables.mesh)
+        else:
+            tables = _build(graph, model, devices, quiet)
+            solution = _search(tables, limit, args.time_limit, quiet, model)
     except PlanDoesNotFit as exc:
         raise UsageError(str(exc)) from None
     seconds = time.perf_counter() - start
@@ -81,6 +90,10 @@ def _plan(args: argparse.Namespace) -> int:
     out = plan.to_dict()
     out.update(baseline_details=details, build_seconds=tables.build_seconds,
                memory_limit_bytes=limit, peak_memory_bytes=solution.memory_bytes)
+    if tried is not None:
+        out["meshes_tried"] = [{"mesh": list(t.mesh), "predicted": t.cost if math.isfinite(t.cost) else None,
+                                "memory_bytes": None if math.isnan(t.memory_bytes) else t.memory_bytes}
+                               for t in tried]
     step = None
     if cluster is not None and cluster.device.sync_jitter and model.name == "analytic":
         from shardplan.cost.step import step_seconds
@@ -91,6 +104,10 @@ def _plan(args: argparse.Namespace) -> int:
     if _write_json(args, out):
         return 0
     _print(plan, graph, details, solution, limit, tables)
+    if tried is not None:
+        ranked = sorted(tried, key=lambda t: t.cost)
+        shown = ", ".join(f"{'x'.join(map(str, t.mesh))} {t.cost:.4g}" for t in ranked[:5] if math.isfinite(t.cost))
+        print(f"--mesh auto: {len(tried)} meshes searched, the best first: {shown} {plan.unit}")
     if step is not None:
         print(f"predicted step: {step:.6g} s (the cost with the cluster's sync_jitter waits at this plan's "
               f"sync points in place of the per-op stretch; what shardplan run predicts)")
@@ -210,6 +227,20 @@ def _build(graph, model, devices, quiet):
     with Progress(transient=True) as progress:
         task = progress.add_task("pricing configurations", total=len(graph.ops))
         return build_tables(graph, model, devices, progress=lambda i, n: progress.update(task, completed=i))
+
+
+def _search_meshes(graph, model, devices, limit, time_limit, quiet):
+    if quiet:
+        return solve_meshes(graph, model, devices, memory_limit_bytes=limit, time_limit_s=time_limit)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("searching every mesh (Ctrl-C keeps the best so far)", total=None)
+
+        def step(i, n, mesh):
+            progress.update(task, total=n, completed=i, description=f"searching mesh {'x'.join(map(str, mesh))}")
+        return solve_meshes(graph, model, devices, memory_limit_bytes=limit, time_limit_s=time_limit,
+                            progress=step)
 
 
 def _search(tables, limit, time_limit, quiet, model=None):
@@ -343,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the plan as JSON to FILE, or - for stdout")
     p.add_argument("--mesh", default=None,
                    help="plan for this device mesh, e.g. 8x8 (8 nodes of 8): only splits that lay on it are "
-                        "searched, moves are priced on it and `run` uses it (default: the runtime chooses)")
+                        "searched, moves are priced on it and `run` uses it; `auto` searches every mesh of up "
+                        "to four axes and keeps the fastest (default: the runtime chooses)")
     p.add_argument("--pipeline", action="store_true",
                    help="use the pipeline planner (chosen anyway when the model states do not fit one node)")
     p.add_argument("--verify", action="store_true",

@@ -52,8 +52,9 @@ def cost_model(args: argparse.Namespace):
 
 
 def parse_mesh(text: str | None, devices: int) -> tuple[int, ...] | None:
-    """``--mesh 8x8`` -> (8, 8), checked against the device count; None when not given."""
-    if not text:
+    """``--mesh 8x8`` -> (8, 8), checked against the device count; None when not given or ``auto``
+    (which the caller handles: every mesh is tried)."""
+    if not text or text == "auto":
         return None
     try:
         mesh = tuple(int(a) for a in text.lower().split("x"))

@@ -18,6 +18,10 @@
    and keeps the better, so the answer is never predicted slower than data parallelism. A plan the
    refinement changed is flagged not optimal (it is no longer the sum's proven optimum) and its note
    gives both predictions.
+6. ``solve_meshes`` (``--mesh auto``) runs all of this once per device mesh (every mesh of at most
+   four axes, ``cluster.mesh.candidate_meshes``, or the ones given), each with only the
+   configurations that lay on it and moves priced on its blocks, and keeps the mesh whose plan is
+   predicted fastest. Ctrl-C between meshes keeps the best mesh so far.
 """
 
 from __future__ import annotations
@@ -190,3 +194,56 @@ def _fallback(tables, base, limit, best, lower, start, searches, why: str) -> So
     bound = lower if math.isfinite(lower) else -math.inf
     return Solution(choice, cost, False, bound, memory_of(tables, choice), name, time.perf_counter() - start,
                     searches, f"search stopped ({why}); best plan so far from {name}, not proven optimal")
+
+
+@dataclass(frozen=True)
+class MeshTry:
+    """One mesh ``solve_meshes`` searched: its plan's predicted step (``Solution.step_seconds`` when
+    the model predicts one, else its cost; inf when nothing fits there) and memory per device."""
+
+    mesh: tuple[int, ...]
+    cost: float
+    memory_bytes: float
+    note: str = ""
+
+
+def solve_meshes(graph, model, devices: int, meshes=None, memory_limit_bytes: float | None = None,
+                 time_limit_s: float | None = None, progress=None) -> tuple[CostTables, Solution, list[MeshTry]]:
+    """(tables, solution, every mesh tried) of the mesh whose plan is predicted fastest (module doc,
+    step 6). ``model`` is an ``AnalyticCostModel``; ``meshes`` defaults to every mesh of at most four
+    axes; ``time_limit_s`` bounds the whole; ``progress(i, n, mesh)`` is called before each mesh."""
+    import dataclasses
+
+    from shardplan.cluster.mesh import candidate_meshes
+    from shardplan.cost.tables import build_tables
+
+    meshes = [tuple(m) for m in (meshes or candidate_meshes(devices))]
+    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    tries: list[MeshTry] = []
+    best: tuple[float, CostTables, Solution] | None = None
+    for i, mesh in enumerate(meshes):
+        if deadline is not None and time.perf_counter() >= deadline and best is not None:
+            break
+        on = dataclasses.replace(model, mesh=mesh)
+        try:
+            if progress is not None:
+                progress(i, len(meshes), mesh)
+            tables = build_tables(graph, on, devices)
+            left = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+            sol = solve(tables, memory_limit_bytes, time_limit_s=left, model=on,
+                        polish_seconds=max(1.0, 10.0 / len(meshes)))
+        except PlanDoesNotFit as exc:
+            tries.append(MeshTry(mesh, math.inf, math.nan, str(exc)))
+            continue
+        except KeyboardInterrupt:
+            if best is None:
+                raise
+            break
+        value = sol.step_seconds if sol.step_seconds is not None else sol.cost
+        tries.append(MeshTry(mesh, value, sol.memory_bytes, sol.note))
+        if best is None or value < best[0]:
+            best = (value, tables, sol)
+    if best is None:
+        raise PlanDoesNotFit(f"no plan fits on any of {len(tries)} meshes of {devices} devices; on "
+                             f"{'x'.join(map(str, tries[0].mesh))}: {tries[0].note}")
+    return best[1], best[2], tries
