@@ -204,7 +204,8 @@ def test_a_64_rank_searched_plan_lays_on_three_mesh_axes_and_steps_in_seconds():
     step are checked (the step well under a minute here)."""
     import time
 
-    from shardplan.execute.apply import choose_mesh, factorizations
+    from shardplan.cluster.mesh import factorizations
+    from shardplan.execute.apply import choose_mesh
     from shardplan.search.solve import solve
 
     assert factorizations(8, 2) == [(2, 4), (4, 2)] and factorizations(8, 3) == [(2, 2, 2)]

@@ -184,3 +184,18 @@ def test_run_lays_a_plan_file_on_the_mesh_asked_for_and_refuses_another(tmp_path
     assert plan.mesh == (2, 4) and predicted > 0
     with pytest.raises(ApplyError, match="was made for mesh 2x4; --mesh asks for 4x2"):
         prepare("llama", "", 4, 16, 8, dataclasses.replace(on, mesh=(4, 2)), str(path), graph)
+
+
+def test_plan_says_when_the_runtime_cannot_run_its_priced_blocks(capsys):
+    """The free plan of the 7B-wide Llama for 64 ranks is priced on the six axes of 64's primes and
+    the runtime runs it on 2x4x8 (``cluster.mesh.runtime_mesh``, as ``choose_mesh`` does): the plan's
+    JSON says so; planned with ``--mesh 2x4x8`` it runs where it was priced and says nothing."""
+    hf = ["--hf", "llama", "--hf-config", "hidden_size=4096,intermediate_size=11008,num_hidden_layers=2,"
+          "num_attention_heads=32,num_key_value_heads=32,vocab_size=32000", "--devices", "64", "--batch", "64",
+          "--seq", "512", "--json", "-"]
+    assert main(["plan", *hf]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["runtime_mesh"] == [2, 4, 8] and "6-axis mesh 2x2x2x2x2x2" in out["runtime_mesh_note"]
+    assert main(["plan", *hf, "--mesh", "2x4x8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mesh"] == [2, 4, 8] and "runtime_mesh_note" not in out

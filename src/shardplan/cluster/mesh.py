@@ -177,3 +177,31 @@ def same_blocks(graph, plan_ops, mesh: tuple[int, ...], reference: tuple[int, ..
             if not np.array_equal(rank_blocks(here, mesh, n), rank_blocks(there, reference, n)):
                 return False
     return True
+
+
+def runtime_mesh(graph, plan) -> tuple[tuple[int, ...], tuple[int, ...] | None] | None:
+    """Where the runtime lays a plan made without a mesh (``execute.apply.choose_mesh``):
+    ``(mesh, None)`` for the coarsest mesh on which every rank holds the blocks it holds on the mesh
+    of p's prime factors, the blocks the tables priced (``AnalyticCostModel.edge_mesh``): (p,), then
+    two axes, three, four, then the primes' mesh itself. Fewer axes means fewer dims split over
+    several mesh axes, which DTensor's rules handle less often, and a faster step. Where only a
+    mesh of more than ``MAX_MESH_AXES`` axes gives them: ``(the coarsest mesh the plan lays on,
+    that mesh)``, and some moves bring more bytes than priced. None if the plan lays on no mesh."""
+    from shardplan.plan import PlanError
+
+    p = plan.devices
+    primes = default_mesh(p)
+    configs = [tuple(f for _, f in op.split) for op in plan.ops]
+    candidates = [(p,)] + [f for axes in (2, 3, 4) for f in factorizations(p, axes)] + [primes]
+    fits = []
+    for shape in candidates:
+        try:
+            plan.mesh_view(graph, shape)
+        except (MeshError, PlanError):
+            continue
+        fits.append(shape)
+        if shape == primes or same_blocks(graph, configs, shape, primes):
+            if len(shape) <= MAX_MESH_AXES or fits[0] == shape:
+                return shape, None
+            return fits[0], shape
+    return None

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from shardplan.cluster.mesh import MAX_MESH_AXES, MeshError, OpMesh, factorizations  # noqa: F401 (re-exported)
+from shardplan.cluster.mesh import MeshError, OpMesh
 from shardplan.cost.analytic import A2A, GRAD_BUCKET_BYTES
 from shardplan.execute.exchange import move
 from shardplan.execute.gradients import reduce_gradients
@@ -122,22 +122,14 @@ def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[O
 
 def choose_mesh(graph: Graph, plan: Plan) -> tuple[int, ...]:
     """The mesh a plan made for one (``Plan.mesh``, ``--mesh``) names; else the coarsest mesh the plan
-    lays on with every rank holding the blocks it holds on the mesh of p's prime factors: (p,), then
-    two axes, three, four, then the primes' mesh itself.
-
-    The cost model prices each move by the blocks ranks hold on the primes' mesh
-    (``AnalyticCostModel.edge_mesh``), so a mesh that gives some rank another block moves other
-    bytes than priced (``cluster.mesh.same_blocks``). Fewer axes means fewer dims split over several
-    mesh axes, which DTensor's rules handle less often, and a faster step. Where only a mesh of more
-    than ``MAX_MESH_AXES`` axes gives the priced blocks, the plan goes on the coarsest mesh it fits,
-    with a warning: its moves can then bring more bytes than priced (a dry run counts them).
-    """
+    lays on with every rank holding the blocks the cost model priced (``cluster.mesh.runtime_mesh``),
+    with a warning where that needs more than ``MAX_MESH_AXES`` axes and a coarser mesh is used: its
+    moves can then bring more bytes than priced (a dry run counts them)."""
     import warnings
 
-    from shardplan.cluster.mesh import default_mesh, same_blocks
+    from shardplan.cluster.mesh import runtime_mesh
 
     check_model(graph, plan)
-    p = plan.devices
     if plan.mesh:  # made for a given mesh (--mesh): its moves were priced on that mesh's blocks
         try:
             plan.mesh_view(graph, plan.mesh)
@@ -145,25 +137,16 @@ def choose_mesh(graph: Graph, plan: Plan) -> tuple[int, ...]:
             raise ApplyError(f"plan for {plan.model!r} was made for mesh {'x'.join(map(str, plan.mesh))}, "
                              f"but {exc}") from None
         return tuple(plan.mesh)
-    primes = default_mesh(p)
-    configs = [tuple(f for _, f in op.split) for op in plan.ops]
-    candidates = [(p,)] + [f for axes in (2, 3, 4) for f in factorizations(p, axes)] + [primes]
-    fits = []
-    for shape in candidates:
-        try:
-            plan.mesh_view(graph, shape)
-        except (MeshError, PlanError):
-            continue
-        fits.append(shape)
-        if shape == primes or same_blocks(graph, configs, shape, primes):
-            if len(shape) <= MAX_MESH_AXES or fits[0] == shape:
-                return shape
-            warnings.warn(f"plan for {plan.model!r}: only the {len(shape)}-axis mesh {'x'.join(map(str, shape))} "
-                          f"gives every rank the blocks the cost model priced, and DTensor plans its ops "
-                          f"slowly on so many axes; running on {'x'.join(map(str, fits[0]))}, where some "
-                          f"moves bring more bytes than priced", stacklevel=2)
-            return fits[0]
-    raise ApplyError(f"plan for {plan.model!r} does not lay on any mesh of {p} devices")
+    found = runtime_mesh(graph, plan)
+    if found is None:
+        raise ApplyError(f"plan for {plan.model!r} does not lay on any mesh of {plan.devices} devices")
+    shape, priced = found
+    if priced is not None:
+        warnings.warn(f"plan for {plan.model!r}: only the {len(priced)}-axis mesh {'x'.join(map(str, priced))} "
+                      f"gives every rank the blocks the cost model priced, and DTensor plans its ops "
+                      f"slowly on so many axes; running on {'x'.join(map(str, shape))}, where some "
+                      f"moves bring more bytes than priced", stacklevel=2)
+    return shape
 
 
 def placements(operand: Operand, opmesh: OpMesh, mesh_shape: tuple[int, ...]) -> list:

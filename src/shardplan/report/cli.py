@@ -90,6 +90,18 @@ def _plan(args: argparse.Namespace) -> int:
     out = plan.to_dict()
     out.update(baseline_details=details, build_seconds=tables.build_seconds,
                memory_limit_bytes=limit, peak_memory_bytes=solution.memory_bytes)
+    off_mesh = None
+    if model.name == "analytic" and plan.mesh is None and getattr(model, "exact_tiles", False):
+        from shardplan.cluster.mesh import runtime_mesh
+
+        found = runtime_mesh(graph, plan)
+        if found is not None:
+            out["runtime_mesh"] = list(found[0])
+            if found[1] is not None:
+                off_mesh = found
+                out["runtime_mesh_note"] = (f"priced on the {len(found[1])}-axis mesh {'x'.join(map(str, found[1]))}; "
+                                            f"runs on {'x'.join(map(str, found[0]))}, where some moves bring more "
+                                            f"bytes than priced")
     if tried is not None:
         out["meshes_tried"] = [{"mesh": list(t.mesh), "predicted": t.cost if math.isfinite(t.cost) else None,
                                 "memory_bytes": None if math.isnan(t.memory_bytes) else t.memory_bytes}
@@ -104,6 +116,11 @@ def _plan(args: argparse.Namespace) -> int:
     if _write_json(args, out):
         return 0
     _print(plan, graph, details, solution, limit, tables)
+    if off_mesh is not None:
+        print(f"note: this plan's moves are priced by the blocks ranks hold on the {len(off_mesh[1])}-axis mesh "
+              f"{'x'.join(map(str, off_mesh[1]))}; the runtime runs it on {'x'.join(map(str, off_mesh[0]))} "
+              f"(DTensor plans slowly on more than four axes), where some moves bring more bytes than priced. "
+              f"--mesh auto plans for meshes the runtime runs as priced.")
     if tried is not None:
         ranked = sorted(tried, key=lambda t: t.cost)
         shown = ", ".join(f"{'x'.join(map(str, t.mesh))} {t.cost:.4g}" for t in ranked[:5] if math.isfinite(t.cost))
