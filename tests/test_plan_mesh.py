@@ -199,3 +199,15 @@ def test_plan_says_when_the_runtime_cannot_run_its_priced_blocks(capsys):
     assert main(["plan", *hf, "--mesh", "2x4x8"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mesh"] == [2, 4, 8] and "runtime_mesh_note" not in out
+
+
+def test_run_mesh_auto_searches_every_mesh_then_runs_on_the_best(capsys):
+    """``shardplan run --mesh auto --dry-run``: the plan is searched on 4 and 2x2 and stepped on the
+    one predicted faster; with ``--plan`` the flag is refused (a plan file has its own mesh)."""
+    from shardplan.cluster.mesh import candidate_meshes
+
+    assert main(["run", "--model", "llama", "--devices", "4", "--mesh", "auto", "--dry-run", "--json", "-"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert tuple(out["dry_run"]["mesh"]) in candidate_meshes(4) and out["predicted_step_seconds"] > 0
+    assert main(["run", "--model", "llama", "--devices", "4", "--mesh", "auto", "--plan", "x.json", "--dry-run"]) == 2
+    assert "with --plan give the plan's own mesh" in capsys.readouterr().err

@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cluster", default=None, help=f"cluster to predict on (default {DEFAULT_CLUSTER})")
     r.add_argument("--nodes", type=int, default=None)
     r.add_argument("--cost-model", default="analytic")
-    r.add_argument("--mesh", default=None, help="search the plan for this device mesh, e.g. 2x2 (as `plan --mesh`)")
+    r.add_argument("--mesh", default=None, help="search the plan for this device mesh, e.g. 2x2, or `auto` "
+                   "(as `plan --mesh`); with --plan, run the plan file on this mesh")
     r.add_argument("--json", default=None, help="write the result as JSON to FILE, or - for stdout")
     r.add_argument("--nnodes", type=int, default=1,
                    help="hosts the ranks run on: give every host the same command with its own --node-rank; "

@@ -85,6 +85,19 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(cost_model, AnalyticCostModel):  # price the update and memory of what the run trains with
         cost_model = dataclasses.replace(cost_model, optimizer=RUN_OPTIMIZER)
     files = args.plan or [None]
+    if getattr(args, "mesh", None) == "auto":  # search every mesh first, then run on the best one
+        if args.plan or not isinstance(cost_model, AnalyticCostModel):
+            raise UsageError("--mesh auto searches the plan (under the analytic model); with --plan give the "
+                             "plan's own mesh, or none")
+        from shardplan.execute.launch import capture_model
+        from shardplan.search.solve import PlanDoesNotFit, solve_meshes
+
+        try:
+            graph = capture_model(model_name, args.hf_config, args.batch, args.seq, routing=not args.dry_run)
+            tables, _, _ = solve_meshes(graph, cost_model, devices)
+        except (ApplyError, PlanDoesNotFit, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+        cost_model = dataclasses.replace(cost_model, mesh=tables.mesh)
     hosts = _hosts(args, devices)
     if args.dry_run:
         if hosts.nnodes > 1:
