@@ -6,6 +6,7 @@ time). The ranks are threads.
 """
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -51,10 +52,15 @@ def _run(module, kwargs, graph, plan, devices, monkeypatch):
         return original(value, name)
 
     monkeypatch.setattr(joins_mod, "tag", recording)
+    return _steps(module, kwargs, graph, plan, (devices,), "last_joins_placed"), seen
 
+
+def _steps(module, kwargs, graph, plan, shape, counter):
+    """Every rank's (loss, full gradients, the parallel module's ``counter``) of one step on a mesh
+    of ``shape`` (threaded ranks)."""
     def rank_fn(rank):
         local = copy.deepcopy(module)
-        pm = apply(local, graph, plan, init_device_mesh("cpu", (devices,)))
+        pm = apply(local, graph, plan, init_device_mesh("cpu", shape))
         out = pm(**kwargs)
         logits = getattr(out, "logits", out)
         loss = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float().pow(2).mean()
@@ -63,9 +69,9 @@ def _run(module, kwargs, graph, plan, devices, monkeypatch):
             pm.reduce_gradients()
         grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                  for n, p in local.named_parameters() if p.grad is not None}
-        return loss.item(), grads, pm.last_joins_placed
+        return loss.item(), grads, getattr(pm, counter)
 
-    return run_threaded(devices, rank_fn), seen
+    return run_threaded(math.prod(shape), rank_fn)
 
 
 def _assert_equal(results, loss, ref):
@@ -150,20 +156,7 @@ def test_attention_matmuls_run_in_their_planned_layout(name, monkeypatch):
             want = [planned_roles(graph.ops[i], opmeshes[i], shape) for i in einsums]
             seen.clear()
 
-            def rank_fn(rank):
-                local = copy.deepcopy(module)
-                pm = apply(local, graph, plan, init_device_mesh("cpu", shape))
-                out = pm(**kwargs)
-                logits = getattr(out, "logits", out)
-                step_loss = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float().pow(2).mean()
-                with pm.context():
-                    step_loss.backward()
-                    pm.reduce_gradients()
-                grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                         for n, p in local.named_parameters() if p.grad is not None}
-                return step_loss.item(), grads, pm.last_matmuls_placed
-
-            results = run_threaded(devices, rank_fn)
+            results = _steps(module, kwargs, graph, plan, shape, "last_matmuls_placed")
             _assert_equal(results, loss, ref)
             assert all(placed == len(einsums) for _, _, placed in results)
             assert sorted(seen) == sorted(want * devices), (seed, seen, want)
