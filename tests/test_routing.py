@@ -54,6 +54,22 @@ def test_profile_load_sums_blocks_of_consecutive_experts():
         profile_load(shares, 3)
 
 
+def test_tile_load_takes_the_busiest_group_of_the_busiest_batch_tile():
+    """4 samples x 4 experts. Whole batch on 2 groups: blocks get 12 and 20 rows of 32, the busiest
+    20 / 16. Two tiles of 2 samples on 2 groups: cells (4, 12), (8, 8), the busiest 12 over the mean
+    8; the whole batch's profile (1.25) would miss it. Cells that do not divide are refused."""
+    from shardplan.cost.routing import tile_load
+
+    rows = [[1, 1, 3, 3], [1, 1, 3, 3], [2, 2, 2, 2], [2, 2, 2, 2]]
+    assert tile_load(rows, 1, 2) == pytest.approx(20 / 16)
+    assert tile_load(rows, 1, 2) == pytest.approx(profile_load(np.sum(rows, axis=0), 2))
+    assert tile_load(rows, 2, 2) == pytest.approx(12 / 8)
+    assert tile_load(rows, 2, 1) == pytest.approx(16 / 16)
+    assert tile_load(rows, 1, 1) == 1.0
+    with pytest.raises(ValueError, match="4 samples x 4 experts do not split into 3 tiles x 2 groups"):
+        tile_load(rows, 3, 2)
+
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -136,7 +152,8 @@ def test_the_busiest_group_is_priced_as_its_load_folded_in_by_hand(mixtral):
     big = dataclasses.replace(op, flops=op.flops * 1e4,
                               attrs=tuple(sorted({**attrs, "grouped_flops": attrs["grouped_flops"] * 1e4}.items())))
     assert _items(model, graph, big, config)["compute"] > _items(off, graph, big, config)["compute"]
-    even = dataclasses.replace(op, attrs=tuple(sorted({**attrs, "expert_shares": (0.25,) * 4}.items())))
+    even = dataclasses.replace(op, attrs=tuple(sorted({**attrs, "expert_shares": (0.25,) * 4,
+                                                       "expert_rows": ((8,) * 4,) * 4}.items())))
     assert _items(model, graph, even, config) == pytest.approx(_items(off, graph, op, config), rel=1e-12)
 
 
@@ -173,3 +190,45 @@ def test_each_ranks_experts_run_the_rows_the_profile_gives_them(mixtral):
             total = tokens * op.attr("top_k")
             assert [r[j] for r in rows] == [round(s * total) for s in shares], (dispatch, op.name)
             assert max(r[j] for r in rows) / (total / 2) == pytest.approx(profile_load(op.attr("expert_shares"), 2))
+
+
+def test_batch_tiles_route_on_their_own_ranks(mixtral):
+    """4 threaded ranks as 2 (batch) x 2 (experts, all-to-all): each rank's experts run the rows its
+    batch tile's samples send its block (``expert_rows`` summed by hand), so the busiest rank runs
+    ``tile_load(rows, 2, 2)`` x the mean, which the model prices for that configuration."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardplan.cost.analytic import A2A
+    from shardplan.execute.apply import apply, choose_mesh
+    from shardplan.execute.threaded import run_threaded
+    from shardplan.cost.routing import tile_load
+    from shardplan.plan import Plan
+
+    module, kwargs, graph = mixtral
+    model, tables = _tables(graph, 4)
+    choice = [0] * len(graph.ops)
+    blocks = [i for i, op in enumerate(graph.ops) if op.kind == "moe"]
+    for i, op in enumerate(graph.ops):
+        split = {"batch": 2, A2A: 2} if op.kind == "moe" else {"batch": 4}
+        choice[i] = tables.index_of(i, tuple(split.get(d.name, 1) for d in op.dims))
+    plan = Plan.from_choice(tables, choice)
+    shape = choose_mesh(graph, plan)
+
+    def rank_fn(rank):
+        local = copy.deepcopy(module)
+        pm = apply(local, graph, plan, init_device_mesh("cpu", shape))
+        with torch.no_grad(), pm.context():
+            pm(**kwargs)
+        return [local.get_submodule(graph.ops[i].name + ".experts").last_rows for i in blocks]
+
+    ran = run_threaded(4, rank_fn)
+    for j, i in enumerate(blocks):
+        op = graph.ops[i]
+        rows = np.array(op.attr("expert_rows"))  # (4 samples, 4 experts)
+        cells = rows.reshape(2, 2, 2, 2).sum(axis=(1, 3))  # (tile, group)
+        assert sorted(r[j] for r in ran) == sorted(cells.reshape(-1).tolist()), op.name
+        mean = rows.sum() / 4
+        load = float(model.expert_load(op, tables.configs[i][[choice[i]]].astype(float))[0])
+        assert load == pytest.approx(max(r[j] for r in ran) / mean) == pytest.approx(tile_load(rows, 2, 2))

@@ -166,7 +166,8 @@ def fuse(graph: Graph) -> Graph:
 
 def measure_routing(graph: Graph, module, example_kwargs: dict) -> Graph:
     """``graph`` with each fused block's routing profile (attribute ``expert_shares``: the fraction of
-    the (token, choice) rows each expert received), measured by one forward pass of ``module`` on
+    the (token, choice) rows each expert received; ``expert_rows``: the rows each sample of the
+    batch sent each expert, for batch tiles), measured by one forward pass of ``module`` on
     ``example_kwargs`` without gradients. The cost model then prices the busiest expert group of
     that routing (``cost.routing``) instead of uniform routing's expectation. ``module`` must hold
     real weights (not the meta device) and be the module ``graph`` was captured from; a graph
@@ -194,9 +195,12 @@ def measure_routing(graph: Graph, module, example_kwargs: dict) -> Graph:
                                f"the experts' weights but has no num_experts")
         total = int(sub.num_experts)
 
-        def hook(mod, args, kwargs, block=block, total=total):
+        samples = op.dim("batch").size
+
+        def hook(mod, args, kwargs, block=block, total=total, samples=samples):
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            seen = torch.bincount(index.reshape(-1).to(torch.int64).cpu(), minlength=total)
+            rows = index.reshape(samples, -1).to(torch.int64).cpu()  # each sample's tokens' choices
+            seen = torch.zeros(samples, total, dtype=torch.int64).scatter_add_(1, rows, torch.ones_like(rows))
             counts[block] = counts.get(block, 0) + seen
         handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
     try:
@@ -208,10 +212,11 @@ def measure_routing(graph: Graph, module, example_kwargs: dict) -> Graph:
     ops = []
     for op in graph.ops:
         if op.kind == KIND and op.name in counts:
-            c = counts[op.name].to(torch.float64)
-            shares = tuple(float(x) for x in (c / c.sum()).tolist())
+            by_sample = counts[op.name]
+            c = by_sample.sum(dim=0).to(torch.float64)
             attrs = dict(op.attrs)
-            attrs["expert_shares"] = shares
+            attrs["expert_shares"] = tuple(float(x) for x in (c / c.sum()).tolist())
+            attrs["expert_rows"] = tuple(tuple(int(x) for x in r) for r in by_sample.tolist())
             op = dataclasses.replace(op, attrs=tuple(sorted(attrs.items())))
         ops.append(op)
     return dataclasses.replace(graph, ops=tuple(ops))

@@ -381,13 +381,15 @@ class AnalyticCostModel:
 
     def expert_load(self, op: Op, c: np.ndarray) -> np.ndarray:
         """(K,) rows of a ``moe`` op's busiest expert group over the mean (``cost.routing``): its
-        experts split ``experts x experts_a2a`` ways share the tokens of one batch tile; 1 for other
-        ops and with ``expert_imbalance`` off."""
+        experts split ``experts x experts_a2a`` ways share the tokens of one batch tile (the busiest
+        group of the busiest tile, with a measured profile); 1 for other ops and with
+        ``expert_imbalance`` off."""
         if op.kind != "moe" or not self.expert_imbalance:
             return np.ones(len(c))
         groups = c[:, op.dim_index("experts")] * (c[:, op.dim_index(A2A)] if A2A in op.dim_names else 1.0)
-        tokens = math.prod(op.dim(n).size for n in ("batch", "seq") if n in op.dim_names) / c[:, op.dim_index("batch")]
-        return expert_load(op, tokens, groups)
+        tiles = c[:, op.dim_index("batch")]
+        tokens = math.prod(op.dim(n).size for n in ("batch", "seq") if n in op.dim_names) / tiles
+        return expert_load(op, tokens, groups, tiles)
 
     def _sync_wait(self, items: list[CostItem], K: int) -> CostItem:
         """Waiting for the slowest peer at a sync point: ``sync_stretch x`` the op's compute in each pass

@@ -6,11 +6,14 @@ A block whose experts are split over ``g`` groups of devices (``capture.moe``: `
 ``execute.experts`` assigns them) waits, at its next collective, for the device whose experts got
 the most rows. Two sources of that figure:
 
-* **A routing profile** (``moe`` op attribute ``expert_shares``: the fraction of the rows each
-  expert received, measured on the model's own weights and inputs by
-  ``capture.moe.measure_routing``). The busiest group is then exact for that routing:
+* **A routing profile** (``moe`` op attributes ``expert_rows``, the rows each sample sent each
+  expert, and ``expert_shares``, each expert's fraction of all rows, measured on the model's own
+  weights and inputs by ``capture.moe.measure_routing``). The busiest group is then exact for that
+  routing. With the batch split ``b`` ways, each tile of ``B / b`` consecutive samples is routed
+  on its own devices, and the step waits for the busiest group of any tile:
 
-      load = g x max over blocks j of (sum of shares of the experts in block j)
+      load = b g x max over tiles t and blocks j of rows(t, j) / rows(all)
+      (rows(t, j): the rows tile t's samples send the experts of block j)
 
 * **No profile** (a model captured on the meta device: no weights, no routing): the expectation
   under uniform routing, each token choosing its ``k`` experts uniformly at random without
@@ -74,14 +77,37 @@ def profile_load(shares, groups: int) -> float:
     return float(g * s.reshape(g, -1).sum(axis=1).max() / total) if total > 0 else 1.0
 
 
-def expert_load(op, tokens: np.ndarray, groups: np.ndarray) -> np.ndarray:
+def tile_load(rows_by_sample, tiles: int, groups: int) -> float:
+    """Rows of the busiest (batch tile, expert group) over the mean, for the rows each sample sent each
+    expert (``(samples, experts)``), the samples cut into ``tiles`` consecutive tiles and the experts
+    into ``groups`` blocks of consecutive experts."""
+    r = np.asarray(rows_by_sample, dtype=np.float64)
+    b, g = int(tiles), int(groups)
+    samples, experts = r.shape
+    if samples % b or experts % g:
+        raise ValueError(f"{samples} samples x {experts} experts do not split into {b} tiles x {g} groups")
+    total = r.sum()
+    if total <= 0 or b * g == 1:
+        return 1.0
+    cells = r.reshape(b, samples // b, g, experts // g).sum(axis=(1, 3))
+    return float(cells.max() * b * g / total)
+
+
+def expert_load(op, tokens: np.ndarray, groups: np.ndarray, tiles: np.ndarray | None = None) -> np.ndarray:
     """Per configuration (K,): the busiest expert group's rows over the mean for ``moe`` op ``op`` with
-    its experts split ``groups`` ways and ``tokens`` tokens in each pool the groups share (the block's
-    tokens over its batch split): from the op's routing profile when it has one, else uniform."""
-    shares = op.attr("expert_shares")
+    its experts split ``groups`` ways, its batch ``tiles`` ways and ``tokens`` tokens in each pool the
+    groups share (the block's tokens over its batch split): from the op's routing profile when it has
+    one (per batch tile when it has the rows of each sample), else uniform routing's expectation."""
+    rows, shares = op.attr("expert_rows"), op.attr("expert_shares")
     experts = op.dim("experts").size
     top_k = op.attr("top_k", 1)
+    tiles = np.ones(len(groups)) if tiles is None else tiles
     out = np.ones(len(groups))
-    for i, (t, g) in enumerate(zip(tokens, groups)):
-        out[i] = profile_load(shares, int(g)) if shares else uniform_load(float(t), top_k, experts, int(g))
+    for i, (t, g, b) in enumerate(zip(tokens, groups, tiles)):
+        if rows:
+            out[i] = tile_load(rows, int(b), int(g))
+        elif shares:
+            out[i] = profile_load(shares, int(g))
+        else:
+            out[i] = uniform_load(float(t), top_k, experts, int(g))
     return out
