@@ -132,7 +132,8 @@ def test_the_busiest_group_is_priced_as_its_load_folded_in_by_hand(mixtral):
     cost what the uniform price costs with top-k scaled by L (every row move carries L x the mean
     rows), its compute what it costs with L - 1 more of the experts' GEMM FLOPs, and with the
     imbalance off both are the mean's. A profile of equal shares prices exactly as the mean."""
-    from shardplan.cost.analytic import A2A, AnalyticCostModel
+    from shardplan.cost.analytic import AnalyticCostModel
+    from shardplan.cost.routing import A2A
 
     _, _, graph = mixtral
     model, tables = _tables(graph, 2)
@@ -200,7 +201,7 @@ def test_batch_tiles_route_on_their_own_ranks(mixtral):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardplan.cost.analytic import A2A
+    from shardplan.cost.routing import A2A
     from shardplan.execute.apply import apply, choose_mesh
     from shardplan.execute.threaded import run_threaded
     from shardplan.cost.routing import tile_load

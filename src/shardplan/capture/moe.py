@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardplan.cost.analytic import A2A
+from shardplan.cost.routing import A2A
 from shardplan.ir.graph import Dim, DimKind, Graph, Op, Operand, TensorSpec
 
 KIND = "moe"

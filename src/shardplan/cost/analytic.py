@@ -49,7 +49,7 @@ from shardplan.cluster.mesh import default_mesh
 from shardplan.cost.configs import ConfigSpace, operand_layouts
 from shardplan.cost.moves import gathered_words, inner_copy_words, placed_words
 from shardplan.cost.pase import redistribution_words
-from shardplan.cost.routing import expert_load
+from shardplan.cost.routing import A2A, block_load, token_all_to_all
 from shardplan.cost.tables import NodeCosts
 from shardplan.ir.graph import DimKind, Graph, GraphError, Op, TensorSpec
 
@@ -57,8 +57,6 @@ CONTRACTIONS = frozenset({"conv", "fc", "einsum", "lstm", "moe"})
 FREE = frozenset({"concat", "stack", "unstack", "reshape", "transpose"})
 KNOWN = CONTRACTIONS | FREE | {"embedding", "pool", "norm", "softmax", "softmax_xent", "reduce_mean",
                                "elementwise"}
-A2A = "experts_a2a"
-"""A mixture-of-experts block's experts split whose tokens move by all-to-all (``capture.moe``)."""
 GRAD_BUCKET_BYTES = 25.0 * 1024 * 1024
 """Bytes per weight-gradient all-reduce bucket: DDP's default (``bucket_cap_mb=25``), and what
 ``execute.gradients.reduce_gradients`` packs."""
@@ -312,7 +310,7 @@ class AnalyticCostModel:
                     self.cluster, "all_reduce", rows * graph.tensor(op.outputs[0].tensor).dtype_bytes, q), 0.0)
                 items.append(CostItem("statistics_allreduce", "comm", True, stats, 0.5 * stats))
         if op.kind == "moe" and A2A in index:
-            moves, fwd = self._token_all_to_all(graph, op, configs, c, strides)
+            moves, fwd = token_all_to_all(self, graph, op, configs, c, strides)
             items.append(CostItem("token_all_to_all", "comm", True, moves, fwd, op.inputs[0].tensor))
         if op.kind == "lstm":
             steps = self._lstm_steps(graph, op, configs, c, strides)
@@ -348,48 +346,12 @@ class AnalyticCostModel:
         return [CostItem("loss_gather", "comm", True, gather, gather, out.tensor),
                 CostItem("loss", "compute", True, work, 0.5 * work)]
 
-    def _token_all_to_all(self, graph: Graph, op: Op, configs: np.ndarray, c: np.ndarray,
-                          strides) -> tuple[np.ndarray, np.ndarray]:
-        """(seconds, forward seconds) of a mixture-of-experts block's token moves under an
-        ``experts_a2a`` split of ``d`` ways (``capture.moe``; GShard's dispatch, Lepikhin et al. 2021,
-        as ``execute.experts`` runs it). Forward, each device tells every peer how many rows it sends
-        (an all-to-all of ``8 d`` bytes), sends each row's expert id (8 bytes a row) and then every
-        (token, choice) row of its own tokens to the device holding that expert (dispatch), and gets
-        the rows back through the expert (combine); backward, the last two carry the gradients.
-        Rows per device and their bytes ``n``, under uniform routing:
-
-            rows = x' rows x top_k / e    n = rows x features x dtype bytes
-            (x': the device's tile of the block's input, its own tokens; e: the gathered ``experts``
-             split, whose other groups take the other ``1 - 1/e`` of the choices)
-
-        each an all-to-all of ``cluster.collective_seconds`` (a device keeps ``1/d`` of its buffer and
-        sends the rest). The busiest device's experts get ``load`` times the mean rows
-        (``cost.routing``): it receives that many in the dispatch and sends them back in the combine,
-        and the all-to-all lasts as long as its part, so every row move is priced at ``load x n``."""
-        i, e = op.dim_index(A2A), c[:, op.dim_index("experts")]
-        x = graph.tensor(op.inputs[0].tensor)
-        n = self.tile_bytes(graph, op, configs, op.inputs[0]) * op.attr("top_k", 1) / e * self.expert_load(op, c)
-        rows = n / (x.shape[-1] * x.dtype_bytes)
-        q = self.group_levels(configs, strides, [i])
-
-        def a2a(nbytes):
-            return collective_seconds(self.cluster, "all_to_all", nbytes, q)
-        moves = 2.0 * a2a(n)
-        fwd = moves + a2a(8.0 * c[:, i]) + a2a(8.0 * rows)
-        on = c[:, i] > 1
-        return np.where(on, fwd + moves, 0.0), np.where(on, fwd, 0.0)
-
     def expert_load(self, op: Op, c: np.ndarray) -> np.ndarray:
-        """(K,) rows of a ``moe`` op's busiest expert group over the mean (``cost.routing``): its
-        experts split ``experts x experts_a2a`` ways share the tokens of one batch tile (the busiest
-        group of the busiest tile, with a measured profile); 1 for other ops and with
-        ``expert_imbalance`` off."""
+        """(K,) rows of a ``moe`` op's busiest expert group over the mean (``cost.routing.block_load``);
+        1 for other ops and with ``expert_imbalance`` off."""
         if op.kind != "moe" or not self.expert_imbalance:
             return np.ones(len(c))
-        groups = c[:, op.dim_index("experts")] * (c[:, op.dim_index(A2A)] if A2A in op.dim_names else 1.0)
-        tiles = c[:, op.dim_index("batch")]
-        tokens = math.prod(op.dim(n).size for n in ("batch", "seq") if n in op.dim_names) / tiles
-        return expert_load(op, tokens, groups, tiles)
+        return block_load(op, c)
 
     def _sync_wait(self, items: list[CostItem], K: int) -> CostItem:
         """Waiting for the slowest peer at a sync point: ``sync_stretch x`` the op's compute in each pass

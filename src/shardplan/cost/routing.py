@@ -1,5 +1,5 @@
-"""Load imbalance of a routed mixture-of-experts block: the (token, choice) rows its busiest group of
-experts receives, over the mean.
+"""Pricing a routed mixture-of-experts block's experts split: the (token, choice) rows its busiest
+group of experts receives, over the mean (its load imbalance), and its token all-to-alls.
 
 A block whose experts are split over ``g`` groups of devices (``capture.moe``: ``experts`` and
 ``experts_a2a`` together; each device holds a block of ``E / g`` consecutive experts, as
@@ -38,6 +38,11 @@ import functools
 import math
 
 import numpy as np
+
+from shardplan.cluster.model import collective_seconds
+
+A2A = "experts_a2a"
+"""A mixture-of-experts block's experts split whose tokens move by all-to-all (``capture.moe``)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,3 +116,45 @@ def expert_load(op, tokens: np.ndarray, groups: np.ndarray, tiles: np.ndarray | 
         else:
             out[i] = uniform_load(float(t), top_k, experts, int(g))
     return out
+
+
+def block_load(op, c: np.ndarray) -> np.ndarray:
+    """(K,) rows of ``moe`` op ``op``'s busiest expert group over the mean for its configurations
+    ``c`` (float, ``(K, dims)``): its experts split ``experts x experts_a2a`` ways share the tokens
+    of one batch tile (with a measured profile, the busiest group of the busiest tile)."""
+    groups = c[:, op.dim_index("experts")] * (c[:, op.dim_index(A2A)] if A2A in op.dim_names else 1.0)
+    tiles = c[:, op.dim_index("batch")]
+    tokens = math.prod(op.dim(n).size for n in ("batch", "seq") if n in op.dim_names) / tiles
+    return expert_load(op, tokens, groups, tiles)
+
+
+def token_all_to_all(model, graph, op, configs: np.ndarray, c: np.ndarray, strides) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds, forward seconds) of a mixture-of-experts block's token moves under an ``experts_a2a``
+    split of ``d`` ways (``capture.moe``; GShard's dispatch, Lepikhin et al. 2021, as
+    ``execute.experts`` runs it), priced by ``model`` (an ``AnalyticCostModel``). Forward, each
+    device tells every peer how many rows it sends (an all-to-all of ``8 d`` bytes), sends each row's
+    expert id (8 bytes a row) and then every (token, choice) row of its own tokens to the device
+    holding that expert (dispatch), and gets the rows back through the expert (combine); backward,
+    the last two carry the gradients. Rows per device and their bytes ``n``, at the mean:
+
+        rows = x' rows x top_k / e    n = rows x features x dtype bytes
+        (x': the device's tile of the block's input, its own tokens; e: the gathered ``experts``
+         split, whose other groups take the other ``1 - 1/e`` of the choices)
+
+    each an all-to-all of ``cluster.collective_seconds`` (a device keeps ``1/d`` of its buffer and
+    sends the rest). The busiest device's experts get ``load`` times the mean rows
+    (``model.expert_load``): it receives that many in the dispatch and sends them back in the
+    combine, and the all-to-all lasts as long as its part, so every row move is priced at
+    ``load x n``."""
+    i, e = op.dim_index(A2A), c[:, op.dim_index("experts")]
+    x = graph.tensor(op.inputs[0].tensor)
+    n = model.tile_bytes(graph, op, configs, op.inputs[0]) * op.attr("top_k", 1) / e * model.expert_load(op, c)
+    rows = n / (x.shape[-1] * x.dtype_bytes)
+    q = model.group_levels(configs, strides, [i])
+
+    def a2a(nbytes):
+        return collective_seconds(model.cluster, "all_to_all", nbytes, q)
+    moves = 2.0 * a2a(n)
+    fwd = moves + a2a(8.0 * c[:, i]) + a2a(8.0 * rows)
+    on = c[:, i] > 1
+    return np.where(on, fwd + moves, 0.0), np.where(on, fwd, 0.0)

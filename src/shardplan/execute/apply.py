@@ -42,7 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from shardplan.cluster.mesh import MeshError, OpMesh
-from shardplan.cost.analytic import A2A, GRAD_BUCKET_BYTES
+from shardplan.cost.analytic import GRAD_BUCKET_BYTES
+from shardplan.cost.routing import A2A
 from shardplan.execute.exchange import move
 from shardplan.execute.gradients import reduce_gradients
 from shardplan.execute.joins import PlannedJoins, graph_joins, tag
