@@ -14,8 +14,10 @@ For a mesh of the plan's shape (``Plan.mesh_view``: every op's split dims get me
   (``execute.joins``); the rest between heavy modules (norms, softmax, activations, views) follows
   DTensor's own sharding propagation, and plain tensors made inside the model (masks, positions)
   count as replicated; attention's batched matmuls
-  run as one product of each rank's blocks (``execute.matmul``), since DTensor's own rule views the
-  split batch and heads as one strided dim, which on three mesh axes takes it minutes to plan;
+  run in the layout the plan gives them (``execute.joins``; their projections move right after
+  they run, ``_moves_at_producer``) as one product of each rank's blocks (``execute.matmul``), since
+  DTensor's own rule views the split batch and heads as one strided dim, which on three mesh axes
+  takes it minutes to plan;
 * a linear or convolution whose split DTensor's own rules refuse on a mesh of two or more axes (a
   sequence split over both axes of a 2x2 mesh, a convolution's batch split four ways) runs as a
   plain product on each rank's blocks, its output and gradients declared as the DTensors that split
