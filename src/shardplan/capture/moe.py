@@ -194,7 +194,6 @@ def measure_routing(graph: Graph, module, example_kwargs: dict) -> Graph:
             raise CaptureError(f"mixture-of-experts block {block!r}: module {weight.rpartition('.')[0]!r} holds "
                                f"the experts' weights but has no num_experts")
         total = int(sub.num_experts)
-
         samples = op.dim("batch").size
 
         def hook(mod, args, kwargs, block=block, total=total, samples=samples):

@@ -192,7 +192,7 @@ def runtime_mesh(graph, plan) -> tuple[tuple[int, ...], tuple[int, ...] | None] 
     p = plan.devices
     primes = default_mesh(p)
     configs = [tuple(f for _, f in op.split) for op in plan.ops]
-    candidates = [(p,)] + [f for axes in (2, 3, 4) for f in factorizations(p, axes)] + [primes]
+    candidates = candidate_meshes(p) + [primes]
     fits = []
     for shape in candidates:
         try:

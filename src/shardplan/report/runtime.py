@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(cost_model, AnalyticCostModel):  # price the update and memory of what the run trains with
         cost_model = dataclasses.replace(cost_model, optimizer=RUN_OPTIMIZER)
     files = args.plan or [None]
+    graph = None  # captured once when --mesh auto needs it, and handed on
     if getattr(args, "mesh", None) == "auto":  # search every mesh first, then run on the best one
         if args.plan or not isinstance(cost_model, AnalyticCostModel):
             raise UsageError("--mesh auto searches the plan (under the analytic model); with --plan give the "
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         if hosts.nnodes > 1:
             raise UsageError("--dry-run plays every rank in this one process: leave out --nnodes")
-        return _dry_run(args, model_name, files, cost_model, cluster, devices)
+        return _dry_run(args, model_name, files, cost_model, cluster, devices, graph)
     if len(files) > 1:
         return _run_several(args, model_name, files, cost_model, cluster, devices, hosts)
     try:
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                                                files[0])
         else:
             plan, predicted = prepare(model_name, args.hf_config, args.batch, args.seq, devices, cost_model,
-                                      files[0])
+                                      files[0], graph)
     except (ApplyError, PlanError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -207,10 +208,11 @@ def describe_collectives(dry: dict) -> str:
     return text
 
 
-def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: int) -> int:
+def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: int, graph=None) -> int:
     """``shardplan run --dry-run``: each plan (or the searched one) applied on a fake process group of
     ``--devices`` ranks in this process, one step in fake tensors (``execute.dryrun``); the collectives
-    rank 0 issues per step, beside the prediction. Nothing is measured or checked numerically."""
+    rank 0 issues per step, beside the prediction. Nothing is measured or checked numerically.
+    ``graph``: the model's capture when the caller has it already."""
     from shardplan.execute.apply import ApplyError
     from shardplan.execute.dryrun import dry_run
     from shardplan.execute.launch import capture_model, prepare
@@ -222,7 +224,8 @@ def _dry_run(args, model_name: str, files: list, cost_model, cluster, devices: i
         raise UsageError("--dry-run runs SPMD plans; a pipeline plan needs its stages' processes")
     records = []
     try:
-        graph = capture_model(model_name, args.hf_config, args.batch, args.seq)  # once for every plan
+        if graph is None:
+            graph = capture_model(model_name, args.hf_config, args.batch, args.seq)  # once for every plan
     except (ApplyError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     for f in files:
