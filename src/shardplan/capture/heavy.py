@@ -180,14 +180,17 @@ class HeavyOps:
         b, c, _, _ = xs
         co, ci, r, s = ws
         grouped = groups != 1
-        # Spatial splits would need halo exchange, which DTensor cannot do, and its convolution rule
-        # mislabels the output of a split channel dim (torch 2.13): convolutions are split by batch only.
-        dims = [Dim("batch", b, DimKind.BATCH), Dim("in_channels", ci, DimKind.REDUCTION, splittable=False),
-                Dim("height", out[2], DimKind.SPATIAL, splittable=False),
-                Dim("width", out[3], DimKind.SPATIAL, splittable=False),
+        # Channel and spatial splits run per rank (execute.local: a spatial split gathers its halo
+        # rows); a grouped convolution keeps its channels whole (each output channel reads only its
+        # group's inputs), and a string padding ("same") its rows and columns.
+        channels = not grouped
+        spatial = not isinstance(padding, str)
+        dims = [Dim("batch", b, DimKind.BATCH), Dim("in_channels", ci, DimKind.REDUCTION, splittable=channels),
+                Dim("height", out[2], DimKind.SPATIAL, splittable=spatial),
+                Dim("width", out[3], DimKind.SPATIAL, splittable=spatial),
                 Dim("kernel_h", r, DimKind.REDUCTION, splittable=False),
                 Dim("kernel_w", s, DimKind.REDUCTION, splittable=False),
-                Dim("out_channels", co, DimKind.PARALLEL, splittable=False)]
+                Dim("out_channels", co, DimKind.PARALLEL, splittable=channels)]
         inputs = [self.operand(x, ["batch", "in_channels" if not grouped else None, "height", "width"])]
         wname = self._weight(w)
         if wname is None:

@@ -112,14 +112,17 @@ def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[O
     except (MeshError, PlanError) as exc:
         raise ApplyError(str(exc)) from None
     for op, om in zip(graph.ops, opmeshes):
-        if op.kind != "conv" or local_roles(op, om, mesh_shape) is not None:
-            continue
-        for operand in op.inputs + op.outputs:
-            dims = [p.dim for p in placements(operand, om, mesh_shape) if isinstance(p, Shard)]
-            if len(dims) != len(set(dims)):
-                raise ApplyError(f"op {op.name!r}: on mesh {'x'.join(map(str, mesh_shape))} one axis of "
-                                 f"{operand.tensor!r} would be split over two mesh axes, which DTensor's "
-                                 f"convolution does not support; plan on a 1-D mesh or split another dim")
+        roles = local_roles(op, om, mesh_shape) if op.kind == "conv" else None
+        for role in roles or ():
+            if role is None or role[0] != "space" or not role[2]:
+                continue
+            # rows held in blocks by every rank, each gathering its halo: the blocks must be equal
+            k = role[1]
+            size = graph.tensor(op.inputs[0].tensor).shape[k]
+            ways = math.prod(n for n, r in zip(mesh_shape, roles) if r == role)
+            if size % ways:
+                raise ApplyError(f"op {op.name!r} splits its input's {('rows', 'columns')[k - 2]} ({size}) "
+                                 f"{ways} ways, which leaves unequal blocks; split a dim that divides evenly")
     return opmeshes
 
 
@@ -315,10 +318,6 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
         sub.register_forward_pre_hook(_pre_hook(mesh, in_shape, in_pl, linear_in))
         if roles is not None:
             compute_locally(sub, mesh, roles)
-        if type(sub).__name__ == "Conv2d":
-            # DTensor's pooling rules lose the global shape of channel-sharded maps (torch 2.13):
-            # conv outputs keep only their batch split; the next conv re-shards (locally, no traffic)
-            out_pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in out_pl]
         sub.register_forward_hook(_post_hook(mesh, out_shape, out_pl, out_name, onward.get(out_name)))
     for block in dict(graph.meta).get("local_blocks", ()):
         # a mixture-of-experts block (one fused op) runs on each rank's batch shard, its experts

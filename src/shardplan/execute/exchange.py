@@ -201,6 +201,14 @@ def lacking(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src, dst) -> li
     return out
 
 
+def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows of ``x`` (its dim 0) sent ``send[r]`` to rank ``r`` of ``group``, ``recv[r]`` received
+    from it, in rank order (c10d's ``all_to_all_single``, no autograd)."""
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
 def mesh_group(mesh: DeviceMesh, axes: tuple[int, ...]):
     """This rank's process group over mesh ``axes`` (ranks in row-major order of their coordinates
     there): the mesh's own for one axis; for several, made once per mesh, by every rank in the same

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardplan.execute.apply import ApplyError
-from shardplan.execute.exchange import mesh_group
+from shardplan.execute.exchange import exchange_rows, mesh_group
 
 
 def split_experts(experts: nn.Module, fqn: str, weight, mesh: DeviceMesh, a2a_axes: tuple[int, ...] = ()) -> None:
@@ -150,19 +150,12 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send: list[int], recv: list[int], group):
         ctx.splits, ctx.group = (send, recv), group
-        return _exchange(x, send, recv, group)
+        return exchange_rows(x, send, recv, group)
 
     @staticmethod
     def backward(ctx, grad):
         send, recv = ctx.splits
-        return _exchange(grad, recv, send, ctx.group), None, None, None
-
-
-def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """Rows of ``x`` sent ``send[r]`` to rank ``r``, ``recv[r]`` received from it (c10d, no autograd)."""
-    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    return out
+        return exchange_rows(grad, recv, send, ctx.group), None, None, None
 
 
 def _dispatch(experts, forward, group, size: int, dest: tuple[int, ...], count: int, hidden, top_k_index,
@@ -180,15 +173,15 @@ def _dispatch(experts, forward, group, size: int, dest: tuple[int, ...], count: 
         order = torch.arange(mine, device=hidden.device)
         send = [mine // size + (1 if r < mine % size else 0) for r in range(size)]
         recv = list(send)
-        _exchange(torch.tensor(send, device=hidden.device), [1] * size, [1] * size, group)  # as a real step
+        exchange_rows(torch.tensor(send, device=hidden.device), [1] * size, [1] * size, group)  # as a real step
     else:
         to = torch.tensor(dest, dtype=torch.int64, device=choice.device)[choice]
         kept = (to >= 0).nonzero().squeeze(1)
         order = kept[torch.argsort(to[kept], stable=True)]
         counts = torch.bincount(to[order], minlength=size)
-        got = _exchange(counts, [1] * size, [1] * size, group)  # how many rows each peer sends
+        got = exchange_rows(counts, [1] * size, [1] * size, group)  # how many rows each peer sends
         send, recv = counts.tolist(), got.tolist()
-    ids = _exchange(choice[order] % count, send, recv, group)  # the experts' local ids
+    ids = exchange_rows(choice[order] % count, send, recv, group)  # the experts' local ids
     rows = _AllToAll.apply(hidden[token[order]], send, recv, group)
     experts.last_rows = len(rows)
     done = _rows(experts, forward, rows, ids, top_k_weights.dtype)
