@@ -137,17 +137,21 @@ def test_row_parallel_linear_all_reduces_partial_sums():
 
 
 def test_conv_halo_exchange():
+    """Two ghost rows of the input per split height, forward; backward their gradients go back, except
+    for the model's input (the image), which has no gradient."""
     b = GraphBuilder("conv")
     x = b.input("x", (8, 16, 32, 32), ("batch", "channels", "height", "width"))
-    b.conv2d(x, 16, 3, padding=1, name="conv")
+    y = b.conv2d(x, 16, 3, padding=1, name="conv")
+    b.conv2d(y, 16, 3, padding=1, name="conv2")
     g = b.build()
     model = AnalyticCostModel(cluster())
     cfg = {"batch": 1, "in_channels": 1, "height": 2, "width": 1, "kernel_h": 1, "kernel_w": 1, "out_channels": 1}
-    _, _, comm, _ = costs_of(g, model, 2, "conv", tuple(cfg[d.name] for d in g.ops[0].dims))
     halo = 4 * 8 * 16 * 32 * 2  # two ghost rows of the input (batch x channels x width)
     weight = 4 * 16 * 16 * 3 * 3  # replicated over the 2 height shards: its gradient is all-reduced
-    assert comm == pytest.approx(2 * (2 * ALPHA0 + halo / BETA0) + 2 * ALPHA0 * weight / GRAD_BUCKET_BYTES
-                                 + weight / BETA0, rel=1e-12)
+    for name, passes in (("conv", 1), ("conv2", 2)):
+        _, _, comm, _ = costs_of(g, model, 2, name, tuple(cfg[d.name] for d in g.ops[0].dims))
+        assert comm == pytest.approx(passes * (2 * ALPHA0 + halo / BETA0) + 2 * ALPHA0 * weight / GRAD_BUCKET_BYTES
+                                     + weight / BETA0, rel=1e-12), name
 
 
 def edge_copies() -> float:

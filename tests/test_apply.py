@@ -159,6 +159,11 @@ def test_products_dtensor_cannot_run_on_a_2x2_mesh_are_computed_per_rank(models,
     ({"conv1": {"out_channels": 2}, "conv2": {"in_channels": 2}, "conv3": {"out_channels": 2}}, (2,)),
     ({"conv2": {"in_channels": 2, "out_channels": 2}}, (2, 2)),
     ({"conv2": {"height": 2, "in_channels": 2}, "conv3": {"out_channels": 2, "height": 2}}, (2, 2)),
+    # rows split all the way: each rank pools its own block (LocalPooling), conv2 and conv3 gather the
+    # halo of the pooled map from their neighbours, and the map is gathered before fc1 flattens it
+    ({"conv1": {"height": 2}, "conv2": {"height": 2}, "conv3": {"height": 2}, "add": {"height": 2}}, (2,)),
+    ({"conv1": {"height": 2, "width": 2}, "conv2": {"height": 2, "width": 2}, "conv3": {"width": 2, "height": 2},
+      "add": {"height": 2, "width": 2}}, (2, 2)),
 ])
 def test_convolutions_split_by_channels_rows_and_columns(models, ways, mesh_shape):
     """Channel and spatial splits of the CNN's convolutions (OptCNN's space) run per rank
@@ -176,8 +181,10 @@ def test_convolutions_split_by_channels_rows_and_columns(models, ways, mesh_shap
         choice[i] = c
     plan = Plan.from_choice(tables, choice)
     opmeshes = plan.mesh_view(graph, mesh_shape)[1]
-    for op, split in ways.items():
+    for op in ways:
         i = graph.op_index(op)
+        if graph.ops[i].kind != "conv":
+            continue
         roles = local_roles(graph.ops[i], opmeshes[i], mesh_shape)
         assert roles is not None and all(r is not None for r in roles), (op, roles)
     assert_matches(run_plan(module, kwargs, graph, plan, devices, mesh_shape=mesh_shape), loss, ref)
@@ -224,6 +231,49 @@ def test_halo_rows_forward_and_backward_equal_the_whole_convolution(devices, row
         assert torch.allclose(out, y, atol=1e-5)
         assert torch.allclose(xgrad, xr.grad, atol=1e-5)
         assert torch.allclose(wgrad, ref.weight.grad, atol=1e-4)
+
+
+def test_pooling_runs_on_each_ranks_block_where_no_window_crosses_its_edge():
+    """``LocalPooling`` on a 2x2 mesh: max, average and adaptive pools of maps split along rows,
+    columns, batch or channels equal the whole map's pool, forward and backward; where the windows
+    fit the blocks the split is kept without any collective, where they cross (a 3x3 window of
+    stride 1, an adaptive pool to 3 of 16 rows) DTensor's own rule runs (it replicates)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from shardplan.execute.local import LocalPooling
+
+    x = torch.randn(4, 8, 16, 16, generator=torch.Generator().manual_seed(0))
+    pools = {"max": (lambda t: F.max_pool2d(t, 2), True), "max_kw": (lambda t: F.max_pool2d(t, kernel_size=2, stride=2), True),
+             "avg": (lambda t: F.avg_pool2d(t, 4), True), "adaptive": (lambda t: F.adaptive_avg_pool2d(t, 4), True),
+             "adaptive_3": (lambda t: F.adaptive_avg_pool2d(t, 3), False),
+             "overlapping": (lambda t: F.max_pool2d(t, 3, 1, 1), False)}
+    layouts = [(Shard(2), Shard(3)), (Shard(0), Shard(2)), (Shard(2), Shard(2)), (Shard(1), Replicate())]
+
+    def rank_fn(rank):
+        mesh = init_device_mesh("cpu", (2, 2))
+        out = []
+        for pl in layouts:
+            for name, (pool, exact) in pools.items():
+                xd = distribute_tensor(x, mesh, list(pl)).requires_grad_()
+                xr = x.clone().requires_grad_()
+                comms = CommDebugMode()
+                with comms, LocalPooling():
+                    y = pool(xd)
+                yr = pool(xr)
+                w = torch.randn(yr.shape, generator=torch.Generator().manual_seed(1))
+                (y.full_tensor() * w).sum().backward()
+                (yr * w).sum().backward()
+                spatial = any(p.dim >= 2 for p in pl if isinstance(p, Shard))
+                kept = tuple(y.placements) == pl and comms.get_total_counts() == 0
+                out.append((name, pl, torch.allclose(y.full_tensor(), yr, atol=1e-6),
+                            torch.allclose(xd.grad.full_tensor(), xr.grad, atol=1e-6), kept, exact or not spatial))
+        return out
+
+    for name, pl, forward, backward, kept, expected in run_threaded(4, rank_fn)[0]:
+        assert forward and backward, (name, pl)
+        assert kept == expected, (name, pl, kept)
 
 
 @pytest.mark.parametrize("name,devices,seed", [("torch_cnn", 4, 0), ("torch_mlp", 4, 1), ("llama", 4, 2),

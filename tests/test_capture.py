@@ -237,6 +237,37 @@ def test_pools_are_priced_at_the_pool_rate_by_hand():
         dataclasses.replace(base.device, pool_bandwidth=0.0)
 
 
+def test_a_pooled_map_keeps_its_rows_and_is_read_at_its_pooled_size():
+    """A 2x2 max pool (stride = kernel) pools each block of an even row split on its own, so the
+    convolution after it labels the producer's rows and columns with its own (a row split of conv2
+    is a row split of conv1's output) and reads the map at its pooled extents (``Operand.shape``):
+    moves into it and the tile it keeps are priced at a quarter of the producer's tensor. A 3x3 pool
+    of stride 1 with padding, whose windows cross block edges, keeps neither."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    m, kw = build("torch_cnn")
+    g = capture(m, (), kw, name="torch_cnn")
+    conv2 = g.ops[g.op_index("conv2")]
+    x = conv2.inputs[0]
+    assert (x.tensor, x.axes) == ("conv1:out", (("batch",), ("in_channels",), ("height",), ("width",)))
+    assert x.shape == (4, 16, 8, 8) and g.tensor("conv1:out").shape == (4, 16, 16, 16)
+    assert g.read_spec(x).nbytes * 4 == g.tensor("conv1:out").nbytes
+    assert g.ops[g.op_index("conv1")].inputs[0].shape is None  # the image, read as it is
+
+    class Overlapping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return self.b(F.max_pool2d(self.a(x), 3, 1, 1))
+
+    g = capture(Overlapping(), (torch.randn(2, 3, 8, 8),))
+    x = g.ops[1].inputs[0]
+    assert x.axes == (("batch",), ("in_channels",), (), ()) and x.shape is None
+
+
 def test_loss_gathers_the_output_whole_by_hand():
     """A captured graph names its first output (``loss_output``: the last fc's output here, an HF
     model's logits), which ``shardplan run`` gathers whole for the loss. By hand, on 2 devices of one

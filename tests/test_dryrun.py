@@ -309,3 +309,60 @@ def test_grouped_query_kv_move_as_the_projections_output_priced():
     assert graph.tensor("model.layers.0.self_attn.k_proj:out").nbytes * 2 == graph.tensor(
         "model.layers.0.self_attn.q_proj:out").nbytes
     assert sorted(gathers) == sorted(expected)
+
+
+def test_a_row_split_convolution_exchanges_its_halo_as_priced():
+    """The CNN's first convolution split by rows 4 ways (the rest data parallel) on 4 ranks: rank 0
+    sends its block's last row to rank 1 in one all-to-all, the forward half of the halo the model
+    prices (a 3x3 kernel: one row from each side for a middle rank); the image needs no gradient, so
+    none goes back, and the model prices no backward half."""
+    graph, model, tables = _tables("torch_cnn", "", 4, 4, 1)
+    choice = list(data_parallel(tables))
+    i = graph.op_index("conv1")
+    choice[i] = tables.index_of(i, tuple(4 if d.name == "height" else 1 for d in graph.ops[i].dims))
+    run = dry_run("torch_cnn", "", 4, 1, Plan.from_choice(tables, choice))
+    halos = [c for c in run.collectives if c.source == "halo"]
+    row = 4 * 3 * 16 * 4  # batch x channels x width x fp32
+    assert [(c.kind, c.phase, c.nbytes, c.ranks) for c in halos] == [("all_to_all", "forward", row, 4)]
+    items = {it.name: it for it in model.node_cost_items(graph, graph.ops[i], tables.configs[i][choice[i]:choice[i] + 1])}
+    assert items["halo"].seconds[0] > 0 and items["halo"].bwd[0] == 0
+
+
+def test_moves_into_a_pooled_map_are_of_the_pooled_map_as_priced():
+    """conv1 split by batch, conv2 by output channels (its input whole on both ranks), on 2 ranks:
+    the runtime gathers the pooled map conv2 reads, a quarter of conv1's output, and the cost
+    tables price that edge at the bytes each rank lacks of it. With conv1 and conv2 both split by
+    rows, each rank pools its own block and conv2 only exchanges one pooled row (its halo) forward
+    and its gradient back."""
+    graph, model, tables = _tables("torch_cnn", "", 2, 4, 1)
+    i1, i2 = graph.op_index("conv1"), graph.op_index("conv2")
+
+    def plan(**splits):
+        choice = list(data_parallel(tables))
+        for i, ways in ((i1, splits["conv1"]), (i2, splits["conv2"])):
+            choice[i] = tables.index_of(i, tuple(ways.get(d.name, 1) for d in graph.ops[i].dims))
+        return choice
+
+    choice = plan(conv1={"batch": 2}, conv2={"out_channels": 2})
+    run = dry_run("torch_cnn", "", 4, 1, Plan.from_choice(tables, choice))
+    pooled = graph.read_spec(graph.ops[i2].inputs[0])
+    assert pooled.nbytes == 4 * 16 * 8 * 8 * 4
+    gathers = [c.nbytes for c in run.collectives if c.phase == "forward" and c.kind == "all_gather"]
+    assert gathers[0] == pooled.nbytes
+    edge = next(e for e in tables.edges if (e.src, e.dst) == (i1, i2))
+    priced = float(edge.cost[edge.src_class[choice[i1]], edge.dst_class[choice[i2]]])
+    from shardplan.cost.tables import edge_layouts
+    mesh = model.edge_mesh(2)
+    src = edge_layouts(graph.ops[i1], tables.configs[i1][choice[i1]:choice[i1] + 1], graph.ops[i1].outputs[0].axes, mesh)
+    dst = edge_layouts(graph.ops[i2], tables.configs[i2][choice[i2]:choice[i2] + 1], graph.ops[i2].inputs[0].axes, mesh)
+    fwd, _ = model.edge_bytes(pooled, src, dst, mesh)
+    assert float(fwd[0, 0]) == pooled.nbytes / 2 and priced > 0
+
+    choice = plan(conv1={"height": 2}, conv2={"height": 2})
+    run = dry_run("torch_cnn", "", 4, 1, Plan.from_choice(tables, choice))
+    halos = [(c.phase, c.nbytes) for c in run.collectives if c.source == "halo"]
+    assert halos == [("forward", 4 * 3 * 16 * 4), ("forward", 4 * 16 * 8 * 4), ("backward", 4 * 16 * 8 * 4)]
+    edge = next(e for e in tables.edges if (e.src, e.dst) == (i1, i2))
+    assert float(edge.cost[edge.src_class[choice[i1]], edge.dst_class[choice[i2]]]) == 0.0
+    conv1_maps = {pooled.nbytes, graph.tensor("conv1:out").nbytes}  # without LocalPooling: gathered backward
+    assert not [c for c in run.collectives if c.source == "redistribution" and c.nbytes in conv1_maps]

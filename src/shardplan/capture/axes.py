@@ -78,6 +78,39 @@ def dim_arg(node, rank: int, pos: int = 1, default: int = 0) -> int:
         d = d[0] if d else default
     return int(d) % max(rank, 1) if isinstance(d, int) else default
 
+POOLS = {"max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
+         "adaptive_max_pool2d"}
+"""Pooling kernels: folded like other cheap ops (their windows decide which axes they keep:
+:func:`block_pooled_axes`), priced at the device's measured pooling rate (``cost.analytic``)."""
+
+
+def _pair(v, default) -> tuple:
+    v = default if v is None or (isinstance(v, (list, tuple)) and not v) else v
+    return tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v)
+
+
+def block_pooled_axes(node, base: str, in_shape, out_shape) -> set[int]:
+    """The rows and columns of a 2-D pooling that each block of an even split pools on its own (no
+    window crosses a block's edge when the consumer's split of the pooled extent divides it): a
+    kernel pool with stride = kernel, no padding or dilation, over an extent the kernel divides, or
+    an adaptive pool whose output extent the input's divides. Such an axis keeps its source axis,
+    so a convolution reading the pooled map may split its rows as the map's producer does, and the
+    runtime pools the blocks locally (``execute.local.LocalPooling``)."""
+    if base not in POOLS or len(in_shape) not in (3, 4):
+        return set()
+    spatial = (len(in_shape) - 2, len(in_shape) - 1)
+    if base.startswith(("adaptive", "_adaptive")):
+        return {d for d in spatial if out_shape[d] and in_shape[d] % out_shape[d] == 0}
+    args = list(node.args) + [None] * 6
+    k = _pair(args[1], 1)
+    stride = _pair(args[2], k)
+    padding = _pair(args[3], 0)
+    dilation = _pair(args[4], 1) if base.startswith("max") else (1, 1)
+    if stride != k or padding != (0, 0) or dilation != (1, 1):
+        return set()
+    return {d for d, kd in zip(spatial, k) if in_shape[d] % kd == 0 and out_shape[d] == in_shape[d] // kd}
+
+
 def map_axes(node, base: str, amap, in_shape, out_shape) -> tuple[tuple[int, ...], ...]:
     """The axis map of a folded op's output, given the axis map ``amap`` of its main input.
 
@@ -85,6 +118,10 @@ def map_axes(node, base: str, amap, in_shape, out_shape) -> tuple[tuple[int, ...
     axis whose origin is lost (a slice, a broadcast, an irregular reshape) maps to ``()``.
     """
     amap = list(amap) + [()] * (len(in_shape) - len(amap))
+    if base in POOLS and len(in_shape) == len(out_shape):  # windows crossing a block's edge lose the axis
+        kept = block_pooled_axes(node, base, in_shape, out_shape)
+        spatial = range(len(in_shape) - 2, len(in_shape))
+        return tuple(() if i in spatial and i not in kept else m for i, m in enumerate(amap))
     if in_shape == out_shape and base not in ("permute", "transpose", "t"):
         return tuple(amap)  # elementwise ops, norms, softmax, casts, full slices
     if base in ("permute",):
@@ -106,7 +143,7 @@ def map_axes(node, base: str, amap, in_shape, out_shape) -> tuple[tuple[int, ...
         off = len(out_shape) - len(in_shape)
         out = [()] * off + [m if in_shape[i] == out_shape[off + i] else () for i, m in enumerate(amap)]
         return tuple(out)
-    if len(in_shape) == len(out_shape):  # slices, pooling, a concat with a constant: same axes
+    if len(in_shape) == len(out_shape):  # slices, a concat with a constant: same axes
         return tuple(m if in_shape[i] == out_shape[i] else () for i, m in enumerate(amap))
     if base in ("mean", "sum", "amax", "max") and len(out_shape) < len(in_shape):
         dims = node.args[1] if len(node.args) > 1 else list(range(len(in_shape)))

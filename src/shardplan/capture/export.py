@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 from torch import fx
 
-from shardplan.capture.axes import dim_arg, map_axes, view_limits
+from shardplan.capture.axes import POOLS, dim_arg, map_axes, view_limits
 from shardplan.capture.blocks import annotate
 from shardplan.capture.heavy import HeavyOps
 from shardplan.capture.values import CaptureError, _labels_for_input, _unique, _Val
@@ -43,10 +43,6 @@ _HEAVY = {"linear", "addmm", "mm", "matmul", "bmm", "conv2d", "convolution", "em
           "scaled_dot_product_attention", "lstm", "conv1d", "conv3d", "einsum", "baddbmm",
           "grouped_mm_fallback", "_grouped_mm"}
 
-
-_POOLS = {"max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
-          "adaptive_max_pool2d"}
-"""Pooling kernels: folded like other cheap ops, but priced at the device's measured pooling rate."""
 
 # Folded ops that launch no kernel of their own (views and aliases); every other folded op is counted.
 _NO_KERNEL = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "permute", "transpose", "t",
@@ -134,7 +130,19 @@ class _Capture(HeavyOps):
             if dims[i] not in used:
                 per_axis[a].append(dims[i])
                 used.add(dims[i])
-        return Operand(v.source, tuple(tuple(ax) for ax in per_axis))
+        return Operand(v.source, tuple(tuple(ax) for ax in per_axis), self._pooled_shape(arg, v, spec))
+
+    def _pooled_shape(self, arg, v, spec) -> tuple[int, ...] | None:
+        """The extents a reader of ``arg`` reads when a folded pooling shrank the source's axes in
+        place (``Operand.shape``); None otherwise: a moved pooled map moves at its own size."""
+        meta = self._meta(arg)
+        if meta is None or not any(c in self.pool_input_bytes for c in v.cheap):
+            return None
+        shape = tuple(int(x) for x in meta.shape)
+        if len(shape) != len(spec.shape) or shape == spec.shape \
+                or any(m not in ((i,), ()) for i, m in enumerate(v.amap)):
+            return None
+        return shape
 
     def attach(self, args, consumer_inputs: list[Operand]) -> None:
         """Parameters of the cheap ops folded into ``args``, replicated, on the consuming op."""
@@ -170,7 +178,7 @@ class _Capture(HeavyOps):
         assert len(rename) == len(dims), f"{name}: dims passed twice"
         meta = self._meta(node)
         out = self._tensor(f"{name}:out", meta.shape, out_labels or out_axes, self._bytes(meta))
-        ins = [Operand(o.tensor, tuple(tuple(rename.get(d, d) for d in ax) for ax in o.axes))
+        ins = [Operand(o.tensor, tuple(tuple(rename.get(d, d) for d in ax) for ax in o.axes), o.shape)
                for o in inputs if o is not None]
         outs = [Operand(out, tuple((rename[d],) for d in out_axes))]
         attrs.update(self.take_folded())
@@ -293,7 +301,7 @@ class _Capture(HeavyOps):
         if base not in _NO_KERNEL:  # a kernel that reads and writes memory: priced on its consumer
             cheap = cheap + (node.name,)
             self.cheap_bytes[node.name] = int(meta.numel()) * self._bytes(meta)
-            if base in _POOLS and args and self._meta(args[0]) is not None:
+            if base in POOLS and args and self._meta(args[0]) is not None:
                 x = self._meta(args[0])
                 self.pool_input_bytes[node.name] = int(x.numel()) * self._bytes(x)
         live = [(a, v) for a, v in zip(args, vals) if v.source is not None]

@@ -176,7 +176,9 @@ class AnalyticCostModel:
         return q
 
     def tile_bytes(self, graph: Graph, op: Op, configs: np.ndarray, operand) -> np.ndarray:
-        spec = graph.tensor(operand.tensor)
+        """Bytes per device of the block of ``operand`` each configuration gives it, at the extents
+        the op reads (``Graph.read_spec``: a pooled map's, not the tensor's)."""
+        spec = graph.read_spec(operand)
         layout = operand_layouts(op, configs, operand.axes).astype(np.float64)
         return np.prod(np.array(spec.shape, dtype=np.float64) / layout, axis=1) * spec.dtype_bytes
 
@@ -297,8 +299,10 @@ class AnalyticCostModel:
                                       o.tensor))
 
         if op.kind in ("conv", "pool"):
-            halo = self._halo(graph, op, configs, c, strides)
-            items.append(CostItem("halo", "comm", True, halo, 0.5 * halo, op.inputs[0].tensor))
+            fwd = 0.5 * self._halo(graph, op, configs, c, strides)
+            # a model input (the image) has no gradient whose halo rows go back
+            both = fwd if graph.producer(op.inputs[0].tensor) is None else 2.0 * fwd
+            items.append(CostItem("halo", "comm", True, both, fwd, op.inputs[0].tensor))
         if op.kind in ("norm", "softmax", "softmax_xent"):
             a = index[op.attr("axis")]
             if op.dims[a].kind is not DimKind.BATCH:  # batch norm keeps per-device statistics
@@ -472,7 +476,7 @@ class AnalyticCostModel:
         r, s = op.attr("kernel")
         x = op.inputs[0]
         in_tile = self.tile_bytes(graph, op, configs, x)
-        spec = graph.tensor(x.tensor)
+        spec = graph.read_spec(x)
         layout = operand_layouts(op, configs, x.axes).astype(np.float64)
         out = np.zeros(len(configs))
         for axis, k in ((2, r), (3, s)):

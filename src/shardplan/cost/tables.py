@@ -159,7 +159,7 @@ def build_tables(graph: Graph, model: CostModel, devices: int,
         src_op, dst_op = graph.ops[e.src], graph.ops[e.dst]
         s_uniq, s_cls = _classes(edge_layouts(src_op, configs[e.src], src_op.outputs[e.src_out].axes, mesh))
         d_uniq, d_cls = _classes(edge_layouts(dst_op, configs[e.dst], dst_op.inputs[e.dst_in].axes, mesh))
-        tensor = graph.tensor(e.tensor)
+        tensor = graph.read_spec(dst_op.inputs[e.dst_in])  # moved as the reader reads it (a pooled map)
         if hasattr(model, "edge_prices"):  # seconds and which directions are collectives, in one pass
             cost, syncs = (model.edge_prices(graph, tensor, s_uniq, d_uniq) if mesh is None
                            else model.edge_prices(graph, tensor, s_uniq, d_uniq, mesh=mesh))

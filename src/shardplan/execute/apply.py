@@ -49,7 +49,7 @@ from shardplan.cost.routing import A2A
 from shardplan.execute.exchange import move
 from shardplan.execute.gradients import reduce_gradients
 from shardplan.execute.joins import PlannedJoins, graph_joins, tag
-from shardplan.execute.local import compute_locally, local_roles, run_locally
+from shardplan.execute.local import LocalPooling, compute_locally, local_roles, run_locally
 from shardplan.execute.matmul import LocalBatchedMatmul
 from shardplan.cost.configs import split_limits
 from shardplan.ir.graph import Graph, Op, Operand
@@ -243,7 +243,7 @@ class ParallelModule(nn.Module):
         token = _MOVED.set({})
         joins = PlannedJoins(self.mesh, self.joins)
         try:
-            with implicit_replication(), LocalBatchedMatmul(), joins:  # joins first: they place matmuls
+            with implicit_replication(), LocalBatchedMatmul(), LocalPooling(), joins:  # joins first: they place matmuls
                 kwargs = {k: self._input(k, v) for k, v in kwargs.items()}
                 args = tuple(self._input(f"arg{i}", v) for i, v in enumerate(args))
                 return self.module(*args, **kwargs)

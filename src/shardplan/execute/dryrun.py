@@ -53,8 +53,9 @@ class Collective:
     source: str = ""
     """"redistribution": issued by a DTensor redistribution (a planned move, a partial sum reduced,
     either way); "exchange": by a nested move's exchange (``execute.exchange``; the bytes its
-    busiest rank receives are in ``DryRun.exchanges``); "": anything else (gradient buckets, the
-    experts' token all-to-alls, input broadcasts)."""
+    busiest rank receives are in ``DryRun.exchanges``); "halo": a split convolution's halo rows
+    (``execute.local``); "": anything else (gradient buckets, the experts' token all-to-alls,
+    input broadcasts)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,13 @@ def _in_exchange() -> bool:
     return _called_from(lambda code: code is Route.run.__code__)
 
 
+def _in_halo() -> bool:
+    """Whether the current call exchanges a split convolution's halo rows (``execute.local._Rows``)."""
+    from shardplan.execute.local import _Rows
+
+    return _called_from(lambda code: code in (_Rows.forward.__code__, _Rows.backward.__code__))
+
+
 def _in_redistribution() -> bool:
     """Whether the current call comes from DTensor's redistribution of a local tensor (its
     ``redistribute_local_tensor``, which every planned move and every propagation cut goes through)."""
@@ -163,7 +171,8 @@ class CollectiveRecorder(TorchDispatchMode):
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             if kind == "all_gather":
                 nbytes *= ranks
-            source = "exchange" if _in_exchange() else "redistribution" if _in_redistribution() else ""
+            source = ("exchange" if _in_exchange() else "halo" if _in_halo() else
+                      "redistribution" if _in_redistribution() else "")
             self.seen.append(Collective(kind, int(nbytes), int(ranks), self.phase, source))
         return func(*args, **(kwargs or {}))
 

@@ -6,9 +6,11 @@ convolutions: :func:`local_roles`, :func:`compute_locally`). ``execute.apply`` i
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.overrides import TorchFunctionMode
 
 from shardplan.cluster.mesh import OpMesh
 from shardplan.execute.exchange import exchange_rows, mesh_group, move
@@ -257,30 +259,160 @@ def _spatial_rows(xl, k: int, held: bool, group, index: int, ways: int, size_in:
             a, b = max(f, mine[0]), min(t, mine[1])
             send.append((a - mine[0], max(a, b) - mine[0]))
             recv.append(max(0, min(hi, (q + 1) * block) - max(lo, q * block)))
-        rows = _Rows.apply(xl, k, tuple(send), tuple(recv), group)
+        rows = _Rows.apply(xl, k, tuple(send), tuple(recv), index, group)
     pads = [0, 0] * (xl.ndim - 1 - k) + [lo - first, stop - hi]
     return nn.functional.pad(rows, pads) if any(pads) else rows
 
 
 class _Rows(torch.autograd.Function):
-    """Rows along axis ``k`` gathered from a group's blocks by c10d's ``all_to_all_single``:
-    ``send[q]`` is the [start, stop) of this rank's block going to rank ``q``, ``recv[q]`` how many
-    rows come from it (in rank order, so the result is contiguous). Backward sends each row's
-    gradient back to its owner, which adds up what it gets for every copy it sent."""
+    """Rows along axis ``k`` gathered from a group's blocks: ``send[q]`` is the [start, stop) of this
+    rank's block that rank ``q`` reads, ``recv[q]`` how many rows it reads of rank ``q``'s block; the
+    rows of the other ranks come by c10d's ``all_to_all_single`` (the halo only: a rank's own rows
+    are copied, not sent to itself), and in rank order the result is contiguous. Backward sends each
+    halo row's gradient back to its owner, which adds up what it gets for every copy it sent."""
 
     @staticmethod
-    def forward(ctx, x, k: int, send: tuple, recv: tuple, group):
-        ctx.k, ctx.send, ctx.recv, ctx.group, ctx.shape = k, send, recv, group, x.shape
+    def forward(ctx, x, k: int, send: tuple, recv: tuple, me: int, group):
+        ctx.k, ctx.send, ctx.recv, ctx.me, ctx.group, ctx.shape = k, send, recv, me, group, x.shape
         rows = x.movedim(k, 0)
-        out = torch.cat([rows[a:b] for a, b in send])
-        return exchange_rows(out, [b - a for a, b in send], list(recv), group).movedim(0, k).contiguous()
+        out = torch.cat([rows[a:b] for q, (a, b) in enumerate(send) if q != me])
+        halo = exchange_rows(out, _others(send, me), _others(recv, me), group)
+        below = sum(recv[:me])
+        own = rows[send[me][0]:send[me][1]]
+        return torch.cat([halo[:below], own, halo[below:]]).movedim(0, k).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        back = exchange_rows(grad.movedim(ctx.k, 0), list(ctx.recv), [b - a for a, b in ctx.send], ctx.group)
+        me, send = ctx.me, ctx.send
+        grad = grad.movedim(ctx.k, 0)
+        below, own = sum(ctx.recv[:me]), send[me][1] - send[me][0]
+        halo = torch.cat([grad[:below], grad[below + own:]])
+        back = exchange_rows(halo, _others(ctx.recv, me), _others(send, me), ctx.group)
         out = back.new_zeros(ctx.shape).movedim(ctx.k, 0)
+        out[send[me][0]:send[me][1]] += grad[below:below + own]
         at = 0
-        for a, b in ctx.send:
-            out[a:b] += back[at:at + b - a]
-            at += b - a
-        return out.movedim(0, ctx.k), None, None, None, None
+        for q, (a, b) in enumerate(send):
+            if q != me:
+                out[a:b] += back[at:at + b - a]
+                at += b - a
+        return out.movedim(0, ctx.k), None, None, None, None, None
+
+
+def _others(counts: tuple, me: int) -> list[int]:
+    """Row counts per rank for the all-to-all, this rank's own (copied locally) zero; ``counts`` holds
+    counts or [start, stop) ranges."""
+    return [0 if q == me else (c if isinstance(c, int) else c[1] - c[0]) for q, c in enumerate(counts)]
+
+
+_KERNEL_POOLS = {F.max_pool2d, F.avg_pool2d, torch._C._nn.avg_pool2d}
+_ADAPTIVE_POOLS = {F.adaptive_avg_pool2d, F.adaptive_max_pool2d}
+
+
+def _pair(v) -> tuple[int, int]:
+    return tuple(v) if isinstance(v, (list, tuple)) else (v, v)
+
+
+def _pool_args(func, args, kwargs) -> dict | None:
+    """A 2-D pooling call's settings by name (kernel, stride, padding, dilation, ceil_mode,
+    return_indices, output_size), or None for a call this module does not handle."""
+    if func in _ADAPTIVE_POOLS:
+        names = ("input", "output_size", "return_indices")
+    elif func is F.max_pool2d:
+        names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+    elif func in _KERNEL_POOLS:  # avg_pool2d
+        names = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+    else:
+        return None
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def pool_blocks(func, args, kwargs) -> tuple | None:
+    """(input DTensor, splits per tensor dim, the output extents each rank computes or None) of a
+    2-D pooling call that each rank can compute on its own block, or None. Splits of the batch and
+    channels always can; splits of the rows or columns when no pooling window crosses a block's
+    edge: a kernel pool with stride = kernel, no padding, no dilation, over blocks whose extent the
+    kernel divides; an adaptive pool whose output extent the input's divides (uniform windows) into
+    as many blocks as the input."""
+    a = _pool_args(func, args, kwargs)
+    x = a.get("input") if a else None
+    if not isinstance(x, DTensor) or x.ndim not in (3, 4) or a.get("return_indices"):
+        return None
+    ways = [1] * x.ndim
+    for p, n in zip(x.placements, x.device_mesh.shape):
+        if p.is_partial() or (isinstance(p, Shard) and type(p) is not Shard):
+            return None
+        if isinstance(p, Shard):
+            ways[p.dim % x.ndim] *= n
+    if any(x.shape[d] % ways[d] for d in range(x.ndim)):
+        return None
+    spatial = (x.ndim - 2, x.ndim - 1)
+    split = [ways[d] > 1 for d in spatial]
+    if "output_size" in a:
+        size = [x.shape[d] if o is None else o for d, o in zip(spatial, _pair(a["output_size"]))]
+        for d, o, cut in zip(spatial, size, split):
+            if cut and (x.shape[d] % o or o % ways[d]):
+                return None
+        return x, ways, tuple(o // ways[d] for d, o in zip(spatial, size))
+    if any(split):
+        k = _pair(a["kernel_size"])
+        s = _pair(a.get("stride") or k)
+        if s != k or _pair(a.get("padding", 0)) != (0, 0) or _pair(a.get("dilation", 1)) != (1, 1):
+            return None
+        if any(cut and (x.shape[d] // ways[d]) % kd for d, kd, cut in zip(spatial, k, split)):
+            return None
+    return x, ways, None
+
+
+_FLATTENS = {torch.flatten, torch.Tensor.flatten, torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
+
+
+def _flattens_split_map(func, args, kwargs) -> bool:
+    """Whether a call flattens a (batch, channels, rows, columns) DTensor split along its rows or
+    columns into (batch, features): DTensor views the split as a strided shard of the features, and
+    the backward pass of that view fails on a mesh of two axes (torch 2.13)."""
+    x = args[0]
+    if not isinstance(x, DTensor) or x.ndim != 4:
+        return False
+    if not any(isinstance(p, Shard) and p.dim % 4 >= 2 for p in x.placements):
+        return False
+    if func in (torch.flatten, torch.Tensor.flatten):
+        start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
+        end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
+        return start % 4 < 2 and end % 4 >= 2
+    rest = tuple(args[1:]) or (kwargs.get("shape", ()),)
+    shape = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
+    return len(shape) == 2 and all(isinstance(n, int) for n in shape) and shape[0] == x.shape[0]
+
+
+class LocalPooling(TorchFunctionMode):
+    """While active, a 2-D pooling of a DTensor runs on each rank's block when that is exact
+    (:func:`pool_blocks`) and keeps its split: a CNN whose convolutions split their rows pools the
+    blocks it holds. DTensor's own pooling rules (torch 2.13) replicate rows and columns, or move a
+    row split to the batch first, which gathers the whole map, forward and backward; and its
+    average pooling has no backward at all. A map split along its rows or columns that is then
+    flattened into features (before a classifier's first linear) is gathered along them first, as
+    the linear's input is priced: DTensor's view of it fails in the backward pass on two mesh axes.
+    The mode stack is per thread, so threaded ranks each enter their own."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FLATTENS and args and _flattens_split_map(func, args, kwargs):
+            x = args[0]
+            keep = [p if isinstance(p, Shard) and p.dim % x.ndim < x.ndim - 2 else Replicate() for p in x.placements]
+            return func(move(x, x.device_mesh, keep), *args[1:], **kwargs)
+        found = pool_blocks(func, args, kwargs) if func in _KERNEL_POOLS or func in _ADAPTIVE_POOLS else None
+        if found is None:
+            return func(*args, **kwargs)
+        x, ways, local_size = found
+        rest = list(args[1:])
+        if local_size is not None:  # an adaptive pool: each block's share of the output
+            if rest:
+                rest[0] = local_size
+            else:
+                kwargs = {**kwargs, "output_size": local_size}
+        y = func(x.to_local(), *rest, **kwargs)
+        shape = torch.Size(x.shape[:-2] + tuple(y.shape[d] * ways[d] for d in (x.ndim - 2, x.ndim - 1)))
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride)

@@ -15,7 +15,7 @@ dim at fault.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Iterator
 
@@ -91,6 +91,11 @@ class Operand:
 
     tensor: str
     axes: tuple[tuple[str, ...], ...]
+    shape: tuple[int, ...] | None = None
+    """The extents of what the op reads, where a cheap op folded between the tensor and the op
+    changes them but keeps the axes (a pooled map: ``(b, c, h / 2, w / 2)`` of a ``(b, c, h, w)``
+    tensor); None: the tensor's own. Moves of the tensor into this op, its gradient's reductions and
+    the tile it keeps are of this size (``Graph.read_spec``)."""
 
     def dims(self) -> tuple[str, ...]:
         """All op dims that appear in this operand, in axis order."""
@@ -207,6 +212,13 @@ class Graph:
         except KeyError:
             raise GraphError(f"graph {self.name!r} has no tensor {name!r}") from None
 
+    def read_spec(self, operand: Operand) -> TensorSpec:
+        """The tensor an operand reads, with the extents it reads them at (``Operand.shape``)."""
+        spec = self.tensor(operand.tensor)
+        if operand.shape is None or tuple(operand.shape) == spec.shape:
+            return spec
+        return replace(spec, shape=tuple(operand.shape))
+
     def op(self, name: str) -> Op:
         try:
             return self.ops[self._op_index[name]]
@@ -271,6 +283,9 @@ class Graph:
                             f"op {op.name!r} maps {len(operand.axes)} axes of {role} {operand.tensor!r}, "
                             f"which has rank {len(spec.shape)}"
                         )
+                    if operand.shape is not None and len(operand.shape) != len(spec.shape):
+                        raise GraphError(f"op {op.name!r} reads {operand.tensor!r} with shape {operand.shape}, "
+                                         f"which has rank {len(spec.shape)}")
                     for axis, dims in enumerate(operand.axes):
                         for d in dims:
                             if d not in sizes:

@@ -137,7 +137,7 @@ def edge_seconds(model: AnalyticCostModel, g: Graph, e, src_config: np.ndarray,
     d = edge_layouts(dst_op, dst_config[None, :], dst_op.inputs[e.dst_in].axes, mesh)
     if np.array_equal(s, d):
         return 0.0, 0  # equal layouts move nothing (the formula's nbytes = 0 branch)
-    tensor = g.tensor(e.tensor)
+    tensor = g.read_spec(dst_op.inputs[e.dst_in])
     seconds, syncs = model.edge_prices(g, tensor, s, d, mesh=mesh)
     return float(seconds[0, 0]), int(syncs[0, 0])
 
