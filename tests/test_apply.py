@@ -276,6 +276,31 @@ def test_pooling_runs_on_each_ranks_block_where_no_window_crosses_its_edge():
         assert kept == expected, (name, pl, kept)
 
 
+@pytest.mark.parametrize("name,ways,mesh_shape", [
+    ("llama", {"vocab": 2}, (2,)),
+    ("llama", {"vocab": 4}, (2, 2)),  # the table's rows over both axes: blocks in row-major order
+    ("llama", {"batch": 2, "vocab": 2}, (2, 2)),
+    ("llama", {"embed": 2, "vocab": 2}, (2, 2)),
+    ("gpt2", {"vocab": 2}, (2,)),  # the table tied to the LM head
+    ("bert", {"seq": 2, "vocab": 2}, (2, 2)),
+    ("lstm_lm", {"vocab": 2}, (2,)),
+])
+def test_an_embedding_table_split_by_its_vocabulary(models, name, ways, mesh_shape):
+    """Megatron's vocabulary-parallel embedding (``execute.local.look_up_locally``): each rank holds
+    rows of the table, looks up the ids that fall in them and writes zeros for the others, and the
+    partial outputs are summed; beside a batch, sequence or column split. The rest of the model is
+    data parallel. Loss and every gradient equal single device."""
+    module, kwargs, graph, loss, ref = models[name] if name in models else reference(name)
+    devices = math.prod(mesh_shape)
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=devices)), devices)
+    choice = list(data_parallel(tables))
+    i = next(k for k, op in enumerate(graph.ops) if op.kind == "embedding")
+    choice[i] = tables.index_of(i, tuple(ways.get(d.name, 1) for d in graph.ops[i].dims))
+    plan = Plan.from_choice(tables, choice)
+    assert dict(plan.ops[i].split)["vocab"] == ways["vocab"]
+    assert_matches(run_plan(module, kwargs, graph, plan, devices, mesh_shape=mesh_shape), loss, ref)
+
+
 @pytest.mark.parametrize("name,devices,seed", [("torch_cnn", 4, 0), ("torch_mlp", 4, 1), ("llama", 4, 2),
                                                ("gpt2", 2, 3), ("bert", 4, 4), ("gpt2", 8, 22)])
 def test_a_random_plan_from_the_search_space_runs(models, name, devices, seed):

@@ -366,3 +366,35 @@ def test_moves_into_a_pooled_map_are_of_the_pooled_map_as_priced():
     assert float(edge.cost[edge.src_class[choice[i1]], edge.dst_class[choice[i2]]]) == 0.0
     conv1_maps = {pooled.nbytes, graph.tensor("conv1:out").nbytes}  # without LocalPooling: gathered backward
     assert not [c for c in run.collectives if c.source == "redistribution" and c.nbytes in conv1_maps]
+
+
+def test_a_vocabulary_split_table_sums_its_lookups_in_one_priced_all_reduce():
+    """Llama's embedding table split by rows over 2 ranks (the rest data parallel): each rank looks
+    up its half of the vocabulary and the partial outputs are summed in one forward all-reduce of the
+    embedding's output, the one the model prices (``output_allreduce``); no gradient moves back
+    through it (the ids need none), and the table's gradient stays split by rows: it is reduced with
+    the other gradients over the batch only, here not at all."""
+    graph, model, tables = _tables("llama", LLAMA, 2, 4, 16)
+    choice = list(data_parallel(tables))
+    i = next(k for k, op in enumerate(graph.ops) if op.kind == "embedding")
+    op = graph.ops[i]
+    choice[i] = tables.index_of(i, tuple(2 if d.name == "vocab" else 1 for d in op.dims))
+    items = model.node_cost_items(graph, op, tables.configs[i][choice[i]:choice[i] + 1])
+    priced = [graph.tensor(it.tensor).nbytes for it in items if it.name == "output_allreduce" and it.seconds[0] > 0]
+    out = graph.tensor(op.outputs[0].tensor).nbytes
+    assert priced == [out] == [4 * 16 * 64 * 4]
+    run = dry_run("llama", LLAMA, 4, 16, Plan.from_choice(tables, choice))
+    reduced = [c for c in run.collectives if c.kind == "all_reduce" and c.phase != "gradients"]
+    assert [(c.phase, c.nbytes, c.ranks) for c in reduced] == [("forward", out, 2)]
+    buckets = sum(c.nbytes for c in run.collectives if c.phase == "gradients")
+    reduced = {}
+    for k, o in enumerate(graph.ops):
+        for it in model.node_cost_items(graph, o, tables.configs[k][choice[k]:choice[k] + 1]):
+            if it.name == "weight_grad_allreduce" and it.seconds[0] > 0:
+                reduced[it.tensor] = graph.tensor(it.tensor).nbytes
+    # the table's rows stay put; every other gradient is reduced as priced, but for the first norm's
+    # scale: the model prices a folded norm in its reader's layout (q_proj's, batch split), while it
+    # runs on the lookup's sum, whole on both ranks, so its gradient is whole (256 bytes, not reduced)
+    assert op.inputs[1].tensor not in reduced
+    norm = reduced.pop("model.layers.0.input_layernorm.weight")
+    assert buckets == sum(reduced.values()) == sum(t.nbytes for t in graph.tensors if t.is_param) - 128 * 64 * 4 - norm

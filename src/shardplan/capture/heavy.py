@@ -218,9 +218,9 @@ class HeavyOps:
         lead = _unique([Dim(lab, int(s), DimKind.BATCH if lab == "batch" else
                                  (DimKind.SEQUENCE if lab == "seq" else DimKind.PARALLEL))
                              for lab, s in zip(labels, ishape)] +
-                            # vocabulary-sharded lookups (DTensor's MaskPartial) are not combinable with
-                            # other partial sums in torch 2.13, so the table is only split by columns
-                            [Dim("embed", dim), Dim("vocab", vocab, DimKind.REDUCTION, splittable=False)])
+                            # a table split by rows (the vocabulary) looks up each rank's rows and
+                            # sums the partial outputs (execute.local.look_up_locally)
+                            [Dim("embed", dim), Dim("vocab", vocab, DimKind.REDUCTION)])
         names = [d.name for d in lead]
         inputs = [self.operand(ids, names[:-2]), Operand(wname, (("vocab",), ("embed",)))]
         self.attached.add(wname)

@@ -92,18 +92,28 @@ def local_roles(op: Op, om: OpMesh, mesh_shape: tuple[int, ...]) -> tuple | None
       and fails on a split of the input channels (on CPU); a spatial split needs halo rows
       from the neighbouring ranks, which DTensor does not exchange.
 
-    Each rank then computes its block with plain tensors (:func:`compute_locally`). The roles, one
+    * an **embedding** table split by rows (the vocabulary): DTensor's lookup makes a masked partial
+      sum that it cannot combine with the other partial sums of a plan.
+
+    Each rank then computes its block with plain tensors (:func:`compute_locally`, and for a table
+    :func:`look_up_locally`). The roles, one
     per mesh axis: ``("lead", k)`` splits axis ``k`` of the input and of the output (batch,
     sequence); ``("out",)`` the output features or channels (weights split the same way);
     ``("red",)`` the summed dim (a partial sum per rank); ``("space", k, held)`` a convolution's
     output rows (``k`` = 2) or columns (3), with the input's rows split the same way (``held``: each
     rank receives its halo from its neighbours) or whole on every rank (not ``held``: a pooled map
     the op reads gathered); None: the axis replicates the op."""
-    if op.kind not in ("fc", "conv"):
+    if op.kind not in ("fc", "conv", "embedding"):
         return None
     split = om.placements(mesh_shape)
     if all(d is None for d in split):
         return None
+    if op.kind == "embedding":
+        if "vocab" not in split:
+            return None  # columns and the ids' dims: DTensor's own rule
+        lead = [n for n in op.dim_names if n not in ("embed", "vocab")]
+        return tuple(None if d is None else ("red",) if d == "vocab" else ("out",) if d == "embed"
+                     else ("lead", lead.index(d)) for d in split)
     if op.kind == "fc":
         if "in_features" not in op.dim_names or len(mesh_shape) < 2:
             return None
@@ -141,6 +151,9 @@ def compute_locally(sub: nn.Module, mesh: DeviceMesh, roles: tuple) -> None:
     (:func:`_spatial_rows`). The pre-hook has brought the input to the planned layout already."""
     from torch.distributed.tensor import Partial
 
+    if isinstance(sub, nn.Embedding):
+        look_up_locally(sub, mesh, roles)
+        return
     forward = sub.forward
     conv = isinstance(sub, nn.Conv2d)
     spatial = _spatial_groups(sub, mesh, roles) if conv else []
@@ -200,6 +213,51 @@ def compute_locally(sub: nn.Module, mesh: DeviceMesh, roles: tuple) -> None:
         else:  # GPT-2's Conv1D: weight (in, out)
             y = xl @ w if b is None else torch.addmm(b, xl.reshape(-1, xl.shape[-1]), w).view(*xl.shape[:-1], -1)
         return DTensor.from_local(y, mesh, out_pl, run_check=False)
+
+    sub.forward = local_forward
+
+
+def look_up_locally(sub: nn.Embedding, mesh: DeviceMesh, roles: tuple) -> None:
+    """Run an embedding lookup on each rank's rows of the table (Megatron's vocabulary-parallel
+    embedding): the ids whole along the mesh axes splitting the vocabulary (``("red",)``), each rank
+    looks up the ids that fall in its rows and writes zeros for the others, and the output is a
+    partial sum over those axes, reduced where the plan reduces it. The table's gradient stays
+    split by rows there (each rank sees every id of its batch shard); along axes that split the
+    ids (``("lead", k)``) it is partial; along an axis splitting the columns (``("out",)``) each
+    rank looks up its columns."""
+    from torch.distributed.tensor import Partial
+
+    forward = sub.forward
+    red = tuple(i for i, r in enumerate(roles) if r == ("red",))
+
+    def local_forward(ids, *rest):
+        if not isinstance(ids, DTensor):
+            ids = DTensor.from_local(ids, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        want = [Shard(r[1]) if r is not None and r[0] == "lead" else Replicate() for r in roles]
+        if tuple(ids.placements) != tuple(want):
+            ids = move(ids, mesh, want)
+        table = [Shard(0) if r == ("red",) else Shard(1) if r == ("out",) else Replicate() for r in roles]
+        w = sub.weight
+        if not isinstance(w, DTensor):
+            return forward(ids.full_tensor(), *rest)
+        if tuple(w.placements) != tuple(table):
+            w = move(w, mesh, table)
+        grad = [Partial() if r is not None and r[0] == "lead" else p for r, p in zip(roles, table)]
+        wl = w.to_local(grad_placements=grad)
+        block, index = sub.num_embeddings, 0
+        for a in red:
+            block //= mesh.size(a)
+            index = index * mesh.size(a) + mesh.get_local_rank(a)
+        local = ids.to_local() - index * block
+        outside = (local < 0) | (local >= block)
+        pad = sub.padding_idx
+        pad = pad - index * block if pad is not None and 0 <= pad - index * block < block else None
+        out = nn.functional.embedding(local.masked_fill(outside, 0), wl, pad, sub.max_norm, sub.norm_type,
+                                      sub.scale_grad_by_freq, sub.sparse)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        out_pl = [Shard(r[1]) if r is not None and r[0] == "lead" else Partial() if r == ("red",)
+                  else Shard(out.ndim - 1) if r == ("out",) else Replicate() for r in roles]
+        return DTensor.from_local(out, mesh, out_pl, run_check=False)
 
     sub.forward = local_forward
 
