@@ -289,9 +289,10 @@ def _spatial_groups(sub: nn.Conv2d, mesh: DeviceMesh, roles: tuple) -> list[tupl
 
 
 def needed_rows(index: int, ways: int, size_out: int, geometry: tuple) -> tuple[int, int]:
-    """[first, stop) of the input rows block ``index`` of ``ways`` output blocks reads, in the input's
-    coordinates (below 0 or from ``size_in`` on: padding): output row ``o`` reads rows ``o s - p`` to
-    ``o s - p + d (r - 1)`` (kernel ``r``, stride ``s``, padding ``p``, dilation ``d``)."""
+    """[first, stop) of the input rows that block ``index`` of ``ways`` equal output blocks reads, in
+    the input's coordinates (rows before 0 or past the input's last are padding): output row ``o``
+    reads rows ``o s - p`` to ``o s - p + d (r - 1)`` (kernel ``r``, stride ``s``, padding ``p``,
+    dilation ``d``)."""
     r, s, p, d = geometry
     block = size_out // ways
     return index * block * s - p, ((index + 1) * block - 1) * s - p + d * (r - 1) + 1
