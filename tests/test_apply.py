@@ -233,6 +233,45 @@ def test_halo_rows_forward_and_backward_equal_the_whole_convolution(devices, row
         assert torch.allclose(wgrad, ref.weight.grad, atol=1e-4)
 
 
+class _Padded(torch.nn.Module):
+    """A reflect-padded convolution (its pad runs before it: capture sees an unpadded convolution of a
+    padded map, whose rows it cannot relate to the image's) and a "same"-padded one (string padding:
+    its rows and columns stay whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect")
+        self.b = torch.nn.Conv2d(8, 4, 3, padding="same")
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("ways", [{"height": 2}, {"height": 2, "width": 2}, {"width": 2, "out_channels": 2}])
+def test_a_reflect_padded_convolution_split_by_rows(ways):
+    """Rows of a reflect-padded convolution split over the ranks: its input is whole on every rank,
+    padded as the module pads it, and each rank computes its rows; loss and gradients equal single
+    device. The "same"-padded convolution offers no spatial split to the search."""
+    torch.manual_seed(0)
+    module = _Padded()
+    kwargs = {"x": torch.randn(2, 3, 8, 8)}
+    graph = capture(module, (), kwargs, name="padded")
+    a, b = graph.ops
+    assert a.inputs[0].axes[2:] == ((), ()) and a.attr("padding") == (0, 0)
+    assert not b.dim("height").splittable and not b.dim("width").splittable
+    out = module(**kwargs)
+    loss = out.pow(2).mean()
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    devices = math.prod(ways.values())
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=devices)), devices)
+    choice = list(data_parallel(tables))
+    choice[0] = tables.index_of(0, tuple(ways.get(d.name, 1) for d in a.dims))
+    plan = Plan.from_choice(tables, choice)
+    assert_matches(run_plan(module, kwargs, graph, plan, devices), loss.item(), ref)
+
+
 def test_pooling_runs_on_each_ranks_block_where_no_window_crosses_its_edge():
     """``LocalPooling`` on a 2x2 mesh: max, average and adaptive pools of maps split along rows,
     columns, batch or channels equal the whole map's pool, forward and backward; where the windows

@@ -202,8 +202,12 @@ def compute_locally(sub: nn.Module, mesh: DeviceMesh, roles: tuple) -> None:
         xl, w, b = x.to_local(grad_placements=x_grad), weights["weight"], weights.get("bias")
         if conv and spatial:
             padding = list(sub.padding)
+            if sub.padding_mode != "zeros":  # the input is whole on every rank: padded as the module pads it
+                xl = nn.functional.pad(xl, sub._reversed_padding_repeated_twice, mode=sub.padding_mode)
+                padding = [0, 0]
             for k, held, group, index, ways in spatial:
-                xl = _spatial_rows(xl, k, held, group, index, ways, tuple(x.shape)[k], _conv_geometry(sub, k))
+                size = tuple(x.shape)[k] if held else xl.shape[k]
+                xl = _spatial_rows(xl, k, held, group, index, ways, size, _conv_geometry(sub, k, padding[k - 2]))
                 padding[k - 2] = 0  # the rows gathered carry the padding
             y = nn.functional.conv2d(xl, w, b, sub.stride, tuple(padding), sub.dilation, sub.groups)
         elif conv:
@@ -262,10 +266,10 @@ def look_up_locally(sub: nn.Embedding, mesh: DeviceMesh, roles: tuple) -> None:
     sub.forward = local_forward
 
 
-def _conv_geometry(sub: nn.Conv2d, k: int) -> tuple[int, int, int, int]:
+def _conv_geometry(sub: nn.Conv2d, k: int, padding: int) -> tuple[int, int, int, int]:
     """(kernel, stride, padding, dilation) of ``sub`` along tensor axis ``k`` (2: rows, 3: columns)."""
     j = k - 2
-    return sub.kernel_size[j], sub.stride[j], sub.padding[j], sub.dilation[j]
+    return sub.kernel_size[j], sub.stride[j], padding, sub.dilation[j]
 
 
 def _spatial_groups(sub: nn.Conv2d, mesh: DeviceMesh, roles: tuple) -> list[tuple]:
@@ -274,9 +278,10 @@ def _spatial_groups(sub: nn.Conv2d, mesh: DeviceMesh, roles: tuple) -> list[tupl
     is applied, by every rank in the same order (``exchange.mesh_group``); its ranks are in the
     row-major order of their coordinates, which is the order of DTensor's blocks of a dim split over
     several mesh axes."""
-    if isinstance(sub.padding, str) or sub.padding_mode != "zeros":
-        raise ValueError(f"a spatial split of a convolution needs numeric zero padding; this one has "
-                         f"padding={sub.padding!r}, padding_mode={sub.padding_mode!r}")
+    held = any(r is not None and r[0] == "space" and r[2] for r in roles)
+    if isinstance(sub.padding, str) or (held and sub.padding_mode != "zeros"):
+        raise ValueError(f"a split of a convolution's rows or columns held in blocks needs numeric zero "
+                         f"padding; this one has padding={sub.padding!r}, padding_mode={sub.padding_mode!r}")
     out = []
     for k in sorted({r[1] for r in roles if r is not None and r[0] == "space"}):
         axes = tuple(i for i, r in enumerate(roles) if r is not None and r[0] == "space" and r[1] == k)
