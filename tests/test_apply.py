@@ -272,6 +272,29 @@ def test_a_reflect_padded_convolution_split_by_rows(ways):
     assert_matches(run_plan(module, kwargs, graph, plan, devices), loss.item(), ref)
 
 
+def test_rows_that_do_not_split_evenly_are_refused_before_anything_runs():
+    """A 3x3 convolution without padding maps 10 input rows to 8 output rows: 4 blocks of output
+    rows would do, but the input's 10 rows do not split into 4 equal blocks for the ranks to hold.
+    The search never offers that split (capture limits the rows' splits to divisors of 10), and a
+    plan file asking for it is refused by ``check``, naming the op."""
+    from shardplan.execute.apply import check
+    from shardplan.plan import OpPlan
+
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    graph = capture(module, (torch.randn(2, 3, 10, 10),), name="valid")
+    tables = build_tables(graph, AnalyticCostModel(get_cluster("dgx-a100", devices=4)), 4)
+    op = graph.ops[0]
+    rows = tables.configs[0][:, op.dim_index("height")]
+    assert set(rows.tolist()) == {1, 2}
+    plan = Plan.from_choice(tables, [tables.index_of(0, tuple(2 if d.name == "height" else 1 for d in op.dims))])
+    bad = Plan(**{**plan.__dict__, "ops": (OpPlan(op.name, op.kind, tuple((d, 4 if d == "height" else 1)
+                                                                           for d, _ in plan.ops[0].split)),)})
+    with pytest.raises(ApplyError, match=r"op '0' splits axis 2 of 'input' 4 ways.*input rows.*divide 10"):
+        check(graph, bad, (4,))
+    check(graph, Plan.from_choice(tables, [tables.index_of(0, tuple(2 if d.name == "height" else 1 for d in op.dims))]),
+          (2, 2))
+
+
 def test_pooling_runs_on_each_ranks_block_where_no_window_crosses_its_edge():
     """``LocalPooling`` on a 2x2 mesh: max, average and adaptive pools of maps split along rows,
     columns, batch or channels equal the whole map's pool, forward and backward; where the windows

@@ -192,6 +192,14 @@ class HeavyOps:
                 Dim("kernel_w", s, DimKind.REDUCTION, splittable=False),
                 Dim("out_channels", co, DimKind.PARALLEL, splittable=channels)]
         inputs = [self.operand(x, ["batch", "in_channels" if not grouped else None, "height", "width"])]
+        if inputs[0] is not None:
+            # rows held in blocks must split evenly at the input's extent too (a convolution without
+            # padding reads more rows than it writes): its splits must divide that extent
+            read = inputs[0].shape or self.tensors[inputs[0].tensor].shape
+            for axis in (2, 3):
+                if inputs[0].axes[axis] and read[axis] != out[axis]:
+                    lims = self.limits.setdefault(inputs[0].tensor, {})
+                    lims[axis] = math.gcd(lims.get(axis, 0), int(read[axis]))
         wname = self._weight(w)
         if wname is None:
             raise CaptureError(f"op aten.conv2d ({node.name}): the weight is not a parameter")

@@ -91,8 +91,9 @@ def check_model(graph: Graph, plan: Plan) -> None:
             ways = math.prod(factors[d] for d in lim.dims)
             if lim.limit % ways:
                 raise ApplyError(f"op {op.name!r} splits axis {lim.axis} of {lim.tensor!r} {ways} ways, but the "
-                                 f"model views that axis as {lim.limit} blocks (attention heads, samples or "
-                                 f"experts); splits must divide {lim.limit}")
+                                 f"model views that axis as {lim.limit} blocks (attention heads, samples, "
+                                 f"experts, or a convolution's input rows held in equal blocks); splits must "
+                                 f"divide {lim.limit}")
         allowed = ("batch", "experts", A2A) if op.kind == "moe" else ("batch",)
         if op.kind not in _RUNNABLE and p.devices > 1 and any(
                 f > 1 and d not in allowed for d, f in p.split):
@@ -118,7 +119,7 @@ def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[O
                 continue
             # rows held in blocks by every rank, each gathering its halo: the blocks must be equal
             k = role[1]
-            size = graph.tensor(op.inputs[0].tensor).shape[k]
+            size = graph.read_spec(op.inputs[0]).shape[k]
             ways = math.prod(n for n, r in zip(mesh_shape, roles) if r == role)
             if size % ways:
                 raise ApplyError(f"op {op.name!r} splits its input's {('rows', 'columns')[k - 2]} ({size}) "
