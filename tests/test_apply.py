@@ -304,7 +304,7 @@ def test_pooling_runs_on_each_ranks_block_where_no_window_crosses_its_edge():
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from shardplan.execute.local import LocalPooling
+    from shardplan.execute.spatial import LocalPooling
 
     x = torch.randn(4, 8, 16, 16, generator=torch.Generator().manual_seed(0))
     pools = {"max": (lambda t: F.max_pool2d(t, 2), True), "max_kw": (lambda t: F.max_pool2d(t, kernel_size=2, stride=2), True),

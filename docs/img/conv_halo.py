@@ -1,5 +1,5 @@
 """Draws ``conv_halo.png``: a convolution's rows split over 4 ranks, the rows each rank holds and the
-halo rows it receives from its neighbours (``execute.local.needed_rows``, the ranges the runtime
+halo rows it receives from its neighbours (``execute.spatial.needed_rows``, the ranges the runtime
 exchanges), for a 3x3 kernel of stride 1 and a 5x5 kernel of stride 2. Run from the repository
 root (needs torch):
 ``python docs/img/conv_halo.py``."""
@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from shardplan.execute.local import needed_rows  # noqa: E402
+from shardplan.execute.spatial import needed_rows  # noqa: E402
 
 RANKS = 4
 ROWS = 16

@@ -95,7 +95,7 @@ def block_pooled_axes(node, base: str, in_shape, out_shape) -> set[int]:
     kernel pool with stride = kernel, no padding or dilation, over an extent the kernel divides, or
     an adaptive pool whose output extent the input's divides. Such an axis keeps its source axis,
     so a convolution reading the pooled map may split its rows as the map's producer does, and the
-    runtime pools the blocks locally (``execute.local.LocalPooling``)."""
+    runtime pools the blocks locally (``execute.spatial.LocalPooling``)."""
     if base not in POOLS or len(in_shape) not in (3, 4):
         return set()
     spatial = (len(in_shape) - 2, len(in_shape) - 1)

@@ -180,7 +180,7 @@ class HeavyOps:
         b, c, _, _ = xs
         co, ci, r, s = ws
         grouped = groups != 1
-        # Channel and spatial splits run per rank (execute.local: a spatial split gathers its halo
+        # Channel and spatial splits run per rank (execute.local, execute.spatial: a spatial split gathers its halo
         # rows); a grouped convolution keeps its channels whole (each output channel reads only its
         # group's inputs), and a string padding ("same") its rows and columns.
         channels = not grouped

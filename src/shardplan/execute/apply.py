@@ -49,7 +49,8 @@ from shardplan.cost.routing import A2A
 from shardplan.execute.exchange import move
 from shardplan.execute.gradients import reduce_gradients
 from shardplan.execute.joins import PlannedJoins, graph_joins, tag
-from shardplan.execute.local import LocalPooling, compute_locally, local_roles, run_locally
+from shardplan.execute.local import compute_locally, local_roles, run_locally
+from shardplan.execute.spatial import LocalPooling
 from shardplan.execute.matmul import LocalBatchedMatmul
 from shardplan.cost.configs import split_limits
 from shardplan.ir.graph import Graph, Op, Operand

@@ -54,7 +54,7 @@ class Collective:
     """"redistribution": issued by a DTensor redistribution (a planned move, a partial sum reduced,
     either way); "exchange": by a nested move's exchange (``execute.exchange``; the bytes its
     busiest rank receives are in ``DryRun.exchanges``); "halo": a split convolution's halo rows
-    (``execute.local``); "": anything else (gradient buckets, the experts' token all-to-alls,
+    (``execute.spatial``); "": anything else (gradient buckets, the experts' token all-to-alls,
     input broadcasts)."""
 
 
@@ -133,8 +133,8 @@ def _in_exchange() -> bool:
 
 
 def _in_halo() -> bool:
-    """Whether the current call exchanges a split convolution's halo rows (``execute.local._Rows``)."""
-    from shardplan.execute.local import _Rows
+    """Whether the current call exchanges a split convolution's halo rows (``execute.spatial._Rows``)."""
+    from shardplan.execute.spatial import _Rows
 
     return _called_from(lambda code: code in (_Rows.forward.__code__, _Rows.backward.__code__))
 
