@@ -113,18 +113,6 @@ def _check_mesh(graph: Graph, plan: Plan, mesh_shape: tuple[int, ...]) -> list[O
         opmeshes = plan.mesh_view(graph, mesh_shape)[1]
     except (MeshError, PlanError) as exc:
         raise ApplyError(str(exc)) from None
-    for op, om in zip(graph.ops, opmeshes):
-        roles = local_roles(op, om, mesh_shape) if op.kind == "conv" else None
-        for role in roles or ():
-            if role is None or role[0] != "space" or not role[2]:
-                continue
-            # rows held in blocks by every rank, each gathering its halo: the blocks must be equal
-            k = role[1]
-            size = graph.read_spec(op.inputs[0]).shape[k]
-            ways = math.prod(n for n, r in zip(mesh_shape, roles) if r == role)
-            if size % ways:
-                raise ApplyError(f"op {op.name!r} splits its input's {('rows', 'columns')[k - 2]} ({size}) "
-                                 f"{ways} ways, which leaves unequal blocks; split a dim that divides evenly")
     return opmeshes
 
 
