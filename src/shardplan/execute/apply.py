@@ -218,9 +218,13 @@ class ParallelModule(nn.Module):
     def context(self):
         return implicit_replication()
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, input_placements: dict, joins: dict | None = None):
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, input_placements: dict, joins: dict | None = None,
+                 pools: bool = False):
         super().__init__()
         self.module = module
+        self.pools = pools
+        """Whether the forward enters ``LocalPooling`` (models with convolutions: only their maps are
+        split by rows or columns), which otherwise would only add a call to every torch function."""
         self.mesh = mesh
         self.input_placements = input_placements
         self.joins = joins or {}
@@ -233,7 +237,8 @@ class ParallelModule(nn.Module):
         token = _MOVED.set({})
         joins = PlannedJoins(self.mesh, self.joins)
         try:
-            with implicit_replication(), LocalBatchedMatmul(), LocalPooling(), joins:  # joins first: they place matmuls
+            pools = LocalPooling() if self.pools else contextlib.nullcontext()
+            with implicit_replication(), LocalBatchedMatmul(), pools, joins:  # joins first: they place matmuls
                 kwargs = {k: self._input(k, v) for k, v in kwargs.items()}
                 args = tuple(self._input(f"arg{i}", v) for i, v in enumerate(args))
                 return self.module(*args, **kwargs)
@@ -327,7 +332,8 @@ def apply(module: nn.Module, graph: Graph, plan: Plan, mesh: DeviceMesh,
         run_locally(module.get_submodule(block), mesh, pl, 0, ep_axes)
     names = dict(input_names or {})
     inputs = {names.get(k, k): v for k, v in wants.items()}
-    return ParallelModule(module, mesh, inputs, graph_joins(graph, opmeshes, shape, placements))
+    return ParallelModule(module, mesh, inputs, graph_joins(graph, opmeshes, shape, placements),
+                          pools=any(op.kind == "conv" for op in graph.ops))
 
 
 def apply_plan(module: nn.Module, plan: Plan, device_mesh: DeviceMesh, example_inputs=(),

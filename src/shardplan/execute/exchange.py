@@ -209,6 +209,16 @@ def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> t
     return out
 
 
+def block_index(mesh: DeviceMesh, axes: tuple[int, ...]) -> tuple[int, int]:
+    """(this rank's block, the number of blocks) of a dim split over mesh ``axes``: the row-major
+    order of its coordinates there, which is DTensor's nesting of the blocks and the rank order of
+    :func:`mesh_group`."""
+    index, ways = 0, 1
+    for a in axes:
+        index, ways = index * mesh.size(a) + mesh.get_local_rank(a), ways * mesh.size(a)
+    return index, ways
+
+
 def mesh_group(mesh: DeviceMesh, axes: tuple[int, ...]):
     """This rank's process group over mesh ``axes`` (ranks in row-major order of their coordinates
     there): the mesh's own for one axis; for several, made once per mesh, by every rank in the same

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardplan.cluster.mesh import OpMesh
-from shardplan.execute.exchange import move
+from shardplan.execute.exchange import block_index, move
 from shardplan.execute.spatial import SPATIAL, conv_geometry, spatial_groups, spatial_rows
 from shardplan.ir.graph import Op
 
@@ -246,10 +246,8 @@ def look_up_locally(sub: nn.Embedding, mesh: DeviceMesh, roles: tuple) -> None:
             w = move(w, mesh, table)
         grad = [Partial() if r is not None and r[0] == "lead" else p for r, p in zip(roles, table)]
         wl = w.to_local(grad_placements=grad)
-        block, index = sub.num_embeddings, 0
-        for a in red:
-            block //= mesh.size(a)
-            index = index * mesh.size(a) + mesh.get_local_rank(a)
+        index, ways = block_index(mesh, red)
+        block = sub.num_embeddings // ways
         local = ids.to_local() - index * block
         outside = (local < 0) | (local >= block)
         pad = sub.padding_idx

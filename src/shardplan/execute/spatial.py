@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from shardplan.execute.exchange import exchange_rows, mesh_group, move
+from shardplan.execute.exchange import block_index, exchange_rows, mesh_group, move
 
 SPATIAL = {"height": 2, "width": 3}
 """A convolution's spatial dims and the axes of its (batch, channels, height, width) tensors."""
@@ -44,9 +44,7 @@ def spatial_groups(sub: nn.Conv2d, mesh: DeviceMesh, roles: tuple) -> list[tuple
     for k in sorted({r[1] for r in roles if r is not None and r[0] == "space"}):
         axes = tuple(i for i, r in enumerate(roles) if r is not None and r[0] == "space" and r[1] == k)
         held = roles[axes[0]][2]
-        index, ways = 0, 1
-        for a in axes:
-            index, ways = index * mesh.size(a) + mesh.get_local_rank(a), ways * mesh.size(a)
+        index, ways = block_index(mesh, axes)
         out.append((k, held, mesh_group(mesh, axes) if held else None, index, ways))
     return out
 
